@@ -1,0 +1,216 @@
+"""Observing Lightning: every ``Trainer.fit/validate/test/predict`` inside a watched run.
+
+Supports ``pytorch_lightning`` (1.5 to 2.x) and ``lightning.pytorch``. Neither is
+imported here: a Trainer class already imported is patched at once, one
+imported later during the run is patched as soon as its module is loaded.
+
+For a fit, the module's ``training_step`` is the step; the batch scope opens in
+a callback placed first in ``trainer.callbacks`` (``on_train_batch_start``) and
+closes after the module's own ``on_train_batch_end``. All of it, the callback
+included, is removed when the call returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from .patching import Patcher
+
+__all__ = ["install", "current_trainer", "stage_label"]
+
+#: Trainer module -> the package whose ``callbacks.Callback`` goes with it.
+_TRAINER_MODULES = {
+    "pytorch_lightning.trainer.trainer": "pytorch_lightning",
+    "lightning.pytorch.trainer.trainer": "lightning.pytorch",
+}
+_TRAINER_CALLS = ("fit", "validate", "test", "predict")
+
+#: Trainers inside an observed call, innermost last.
+_trainers: list[Any] = []
+
+
+def current_trainer() -> Optional[Any]:
+    """The Trainer whose observed call is running now, if any."""
+    return _trainers[-1] if _trainers else None
+
+
+def stage_label() -> Optional[tuple[str, bool]]:
+    """``("epoch 2 (train)", is_sanity_check)`` for the running trainer, or None outside Lightning."""
+    trainer = current_trainer()
+    if trainer is None:
+        return None
+    sanity = bool(getattr(trainer, "sanity_checking", False))
+    if sanity:
+        return "sanity check", True
+    stage = getattr(getattr(trainer, "state", None), "stage", None)
+    stage_name = getattr(stage, "value", stage)
+    epoch = getattr(trainer, "current_epoch", None)
+    parts = [f"epoch {epoch}" if epoch is not None else "epoch ?"]
+    if stage_name:
+        parts.append(f"({stage_name})")
+    return " ".join(parts), False
+
+
+def _dispatch(event: str) -> None:
+    from .watch import active_runs
+
+    for run in active_runs():
+        getattr(run, event)()
+
+
+def _make_callback(package: str) -> Any:
+    """A Callback subclass of ``package`` that opens the batch scope first thing."""
+    base = importlib.import_module(f"{package}.callbacks").Callback
+
+    class TorchperfBatchScope(base):  # type: ignore[misc, valid-type]
+        """Opens torchperf's batch scope; placed first so user callbacks run inside it."""
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+            _dispatch("_batch_started")
+
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+            _dispatch("_batch_ended")
+
+    return TorchperfBatchScope
+
+
+def _wrap_hook(name: str, fn: Callable[..., Any], before: Optional[str], after: Optional[str]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if before:
+            _dispatch(before)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if after:
+                _dispatch(after)
+
+    hook.__torchperf_hook__ = name  # type: ignore[attr-defined]
+    return hook
+
+
+def _attach_to_fit(patcher: "Patcher", trainer: Any, model: Any, callback_cls: Any) -> None:
+    """Make the model's training_step the step and open/close the batch scope around each batch."""
+    step = getattr(model, "training_step", None)
+    if callable(step):
+        patcher.setattr(model, "training_step", _wrap_hook("training_step", step, "_step_started", "_step_ended"))
+    batch_end = getattr(model, "on_train_batch_end", None)
+    if callable(batch_end):
+        patcher.setattr(model, "on_train_batch_end", _wrap_hook("on_train_batch_end", batch_end, None, "_batch_ended"))
+    callbacks = getattr(trainer, "callbacks", None)
+    if isinstance(callbacks, list):
+        callback = callback_cls()
+        callbacks.insert(0, callback)
+
+        def remove() -> None:
+            current = getattr(trainer, "callbacks", None)
+            if isinstance(current, list) and any(c is callback for c in current):
+                current[:] = [c for c in current if c is not callback]
+
+        patcher.callback(remove)
+
+
+def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) -> Callable[..., Any]:
+    callback_cls: list[Any] = []
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from .patching import Patcher
+        from .watch import active_runs
+
+        runs = list(active_runs())
+        if not runs or any(t is self for t in _trainers):
+            return original(self, *args, **kwargs)
+        local = Patcher()
+        _trainers.append(self)
+        local.callback(_trainers.pop)
+        model = args[0] if args else kwargs.get("model")
+        try:
+            for run in runs:
+                run._trainer_call_started(kind, self, model)
+            if kind == "fit" and model is not None:
+                if not callback_cls:
+                    callback_cls.append(_make_callback(package))
+                _attach_to_fit(local, self, model, callback_cls[0])
+            return original(self, *args, **kwargs)
+        finally:
+            local.undo()
+            for run in runs:
+                run._batch_ended()
+                run._trainer_call_ended(kind, self, model)
+
+    return call
+
+
+def _patch_trainer(patcher: "Patcher", trainer_cls: Any, package: str) -> None:
+    for kind in _TRAINER_CALLS:
+        if kind in vars(trainer_cls):
+            patcher.setattr(trainer_cls, kind, _wrap_trainer_call(kind, vars(trainer_cls)[kind], package))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches a Trainer module right after it is executed, when it is first imported during a run."""
+
+    def __init__(self, patcher: "Patcher", targets: dict[str, str]) -> None:
+        self.patcher = patcher
+        self.targets = dict(targets)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in self.targets:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        package = self.targets.pop(fullname)
+        exec_module = loader.exec_module
+        finder = self
+
+        class _Loader(importlib.abc.Loader):
+            def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...
+                return getattr(loader, name)
+
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                exec_module(module)
+                if finder in sys.meta_path:  # still watching
+                    _patch_trainer(finder.patcher, module.Trainer, package)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def install(patcher: "Patcher") -> None:
+    """Patch the Lightning Trainer classes already imported; patch the others on import."""
+    pending = {}
+    for module_name, package in _TRAINER_MODULES.items():
+        module = sys.modules.get(module_name)
+        if module is not None:
+            _patch_trainer(patcher, module.Trainer, package)
+            continue
+        top = package.split(".")[0]
+        try:
+            installed = importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError):
+            installed = False
+        if installed:
+            pending[module_name] = package
+    if pending:
+        finder = _PatchOnImport(patcher, pending)
+        sys.meta_path.insert(0, finder)
+        patcher.callback(lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None)

@@ -1,0 +1,223 @@
+"""Verdicts and their rendering: what a watched run found, as text and as data.
+
+A :class:`Report` holds one :class:`CheckResult` per invariant. It renders to
+a list of :class:`Block` (a separator title plus lines), so the pytest plugin
+can draw real separators on the terminal while scripts get plain text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from .stacks import Frame, Stack, format_stack, site_of
+
+__all__ = [
+    "PASSED",
+    "FAILED",
+    "NOT_CHECKED",
+    "Site",
+    "Finding",
+    "CheckResult",
+    "Report",
+    "InvariantViolation",
+]
+
+PASSED = "passed"
+FAILED = "failed"
+NOT_CHECKED = "not checked"
+
+
+@dataclass
+class Site:
+    """Where something happened: a labelled stack and how often it happened there."""
+
+    label: str
+    stack: Stack
+    count: int = 1
+
+    @property
+    def frame(self) -> Optional[Frame]:
+        return site_of(self.stack)
+
+    def render(self, verbose: bool) -> list[str]:
+        frame = self.frame
+        times = f" ({self.count}x)" if self.count > 1 else ""
+        if frame is None:
+            return [f"  {self.label}{times}: <no stack>"]
+        whose = "your code" if frame.is_user else frame.kind + " code"
+        lines = [f"  {self.label}{times} at {frame.location()} in {frame.function} [{whose}]"]
+        if frame.source:
+            lines.append(f"      {frame.source}")
+        lines.append("    stack (most recent call last; > marks your code):")
+        lines.extend(format_stack(self.stack, verbose=verbose, indent="    "))
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        frame = self.frame
+        return {
+            "label": self.label,
+            "count": self.count,
+            "site": frame.location() if frame else None,
+            "function": frame.function if frame else None,
+            "source": frame.source if frame else None,
+            "user_code": bool(frame and frame.is_user),
+            "stack": [f"{f.location()} in {f.function}" for f in self.stack],
+        }
+
+
+@dataclass
+class Finding:
+    """One thing that broke an invariant (a loader, a call site...)."""
+
+    title: str
+    facts: list[str] = field(default_factory=list)
+    sites: list[Site] = field(default_factory=list)
+    hint: str = ""
+
+    def render(self, verbose: bool) -> list[str]:
+        lines = [self.title]
+        lines.extend(f"  {fact}" for fact in self.facts)
+        for s in self.sites:
+            lines.extend(s.render(verbose))
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "title": self.title,
+            "facts": list(self.facts),
+            "sites": [s.to_dict() for s in self.sites],
+            "hint": self.hint,
+        }
+
+
+@dataclass
+class CheckResult:
+    """The verdict of one invariant for one watched run."""
+
+    name: str
+    status: str
+    summary: str
+    count: int = 0
+    findings: list[Finding] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAILED
+
+    def render(self, verbose: bool) -> list[str]:
+        lines = []
+        for i, finding in enumerate(self.findings):
+            if i:
+                lines.append("")
+            lines.extend(finding.render(verbose))
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.status == PASSED,
+            "status": self.status,
+            "summary": self.summary,
+            "count": self.count,
+            "figures": dict(self.figures),
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+@dataclass
+class Block:
+    """A titled part of a rendered report; ``title`` None means no separator."""
+
+    title: Optional[str]
+    lines: list[str]
+
+
+@dataclass
+class Report:
+    """Everything a watched run concluded, one :class:`CheckResult` per invariant."""
+
+    checks: dict[str, CheckResult] = field(default_factory=dict)
+    steps: int = 0
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [c for c in self.checks.values() if c.failed]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def __getitem__(self, name: str) -> CheckResult:
+        return self.checks[name]
+
+    def summary_line(self) -> str:
+        failures = self.failures
+        if not failures:
+            checked = [c.name for c in self.checks.values() if c.status == PASSED]
+            return f"torchperf: all invariants held ({', '.join(checked) or 'none checked'})"
+        parts = [f"{c.name} ({c.summary})" for c in failures]
+        noun = "invariant" if len(failures) == 1 else "invariants"
+        return f"torchperf: {len(failures)} {noun} broken: " + "; ".join(parts)
+
+    def status_line(self) -> str:
+        """One line per test for the terminal summary: each invariant and its key figure."""
+        return " | ".join(f"{c.name}: {c.status} ({c.summary})" for c in self.checks.values())
+
+    def blocks(self, verbose: bool = False) -> list[Block]:
+        blocks = [Block(None, [self.summary_line()])]
+        for check in self.failures:
+            blocks.append(Block(f"torchperf: {check.name}", check.render(verbose)))
+        others = [c for c in self.checks.values() if not c.failed]
+        if others and self.failures:
+            blocks.append(
+                Block(None, [f"{c.name}: {c.status} ({c.summary})" for c in others])
+            )
+        return blocks
+
+    def render(self, verbose: bool = False, width: int = 80) -> str:
+        out: list[str] = []
+        for block in self.blocks(verbose):
+            if block.title is not None:
+                out.append(_sep(block.title, width))
+            out.extend(block.lines)
+        return "\n".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "steps": self.steps,
+            "checks": {name: c.to_dict() for name, c in self.checks.items()},
+        }
+
+
+def _sep(title: str, width: int) -> str:
+    text = f" {title} "
+    side = max((width - len(text)) // 2, 3)
+    return "-" * side + text + "-" * side
+
+
+class InvariantViolation(AssertionError):
+    """Raised when a watched run ends cleanly with at least one broken invariant."""
+
+    def __init__(self, report: Report) -> None:
+        super().__init__(report.summary_line())
+        self.report = report
+
+    def __str__(self) -> str:
+        return self.report.render()
+
+
+def merge_sites(sites: Sequence[Site]) -> list[Site]:
+    """Group sites by (label, location of the site frame), summing counts; first stack wins."""
+    merged: dict[tuple[str, Optional[str]], Site] = {}
+    for s in sites:
+        frame = s.frame
+        key = (s.label, frame.location() if frame else None)
+        if key in merged:
+            merged[key].count += s.count
+        else:
+            merged[key] = Site(s.label, s.stack, s.count)
+    return list(merged.values())
