@@ -17,10 +17,10 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
-if TYPE_CHECKING:
-    from .patching import Patcher
+from .patching import Patcher
+from .watch import active_runs
 
 __all__ = ["install", "current_trainer", "stage_label"]
 
@@ -58,8 +58,6 @@ def stage_label() -> Optional[tuple[str, bool]]:
 
 
 def _dispatch(event: str) -> None:
-    from .watch import active_runs
-
     for run in active_runs():
         getattr(run, event)()
 
@@ -83,6 +81,7 @@ def _make_callback(package: str) -> Any:
 def _wrap_hook(name: str, fn: Callable[..., Any], before: Optional[str], after: Optional[str]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def hook(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # a user's exception shows the user's frames, not ours
         if before:
             _dispatch(before)
         try:
@@ -95,11 +94,18 @@ def _wrap_hook(name: str, fn: Callable[..., Any], before: Optional[str], after: 
     return hook
 
 
-def _attach_to_fit(patcher: "Patcher", trainer: Any, model: Any, callback_cls: Any) -> None:
-    """Make the model's training_step the step and open/close the batch scope around each batch."""
+def _attach_to_fit(patcher: Patcher, trainer: Any, model: Any, callback_cls: Any, batch_scope: bool) -> None:
+    """Make the model's training_step the step; with ``batch_scope``, open/close the batch scope too.
+
+    The callback is only added when a run asks for the batch scope: Lightning
+    calls every hook of every callback, and a fit should pay for that only
+    when it is needed.
+    """
     step = getattr(model, "training_step", None)
     if callable(step):
         patcher.setattr(model, "training_step", _wrap_hook("training_step", step, "_step_started", "_step_ended"))
+    if not batch_scope:
+        return
     batch_end = getattr(model, "on_train_batch_end", None)
     if callable(batch_end):
         patcher.setattr(model, "on_train_batch_end", _wrap_hook("on_train_batch_end", batch_end, None, "_batch_ended"))
@@ -121,9 +127,7 @@ def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) ->
 
     @functools.wraps(original)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from .patching import Patcher
-        from .watch import active_runs
-
+        __tracebackhide__ = True  # a user's exception shows the user's frames, not ours
         runs = list(active_runs())
         if not runs or any(t is self for t in _trainers):
             return original(self, *args, **kwargs)
@@ -137,7 +141,8 @@ def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) ->
             if kind == "fit" and model is not None:
                 if not callback_cls:
                     callback_cls.append(_make_callback(package))
-                _attach_to_fit(local, self, model, callback_cls[0])
+                batch_scope = any(run.options.scope == "batch" for run in runs)
+                _attach_to_fit(local, self, model, callback_cls[0], batch_scope)
             return original(self, *args, **kwargs)
         finally:
             local.undo()
@@ -148,7 +153,7 @@ def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) ->
     return call
 
 
-def _patch_trainer(patcher: "Patcher", trainer_cls: Any, package: str) -> None:
+def _patch_trainer(patcher: Patcher, trainer_cls: Any, package: str) -> None:
     for kind in _TRAINER_CALLS:
         if kind in vars(trainer_cls):
             patcher.setattr(trainer_cls, kind, _wrap_trainer_call(kind, vars(trainer_cls)[kind], package))
@@ -157,7 +162,7 @@ def _patch_trainer(patcher: "Patcher", trainer_cls: Any, package: str) -> None:
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Patches a Trainer module right after it is executed, when it is first imported during a run."""
 
-    def __init__(self, patcher: "Patcher", targets: dict[str, str]) -> None:
+    def __init__(self, patcher: Patcher, targets: dict[str, str]) -> None:
         self.patcher = patcher
         self.targets = dict(targets)
 
@@ -195,7 +200,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install(patcher: "Patcher") -> None:
+def install(patcher: Patcher) -> None:
     """Patch the Lightning Trainer classes already imported; patch the others on import."""
     pending = {}
     for module_name, package in _TRAINER_MODULES.items():

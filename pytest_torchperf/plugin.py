@@ -177,6 +177,9 @@ class TorchperfFixture:
         if not run.report.passed:  # type: ignore[union-attr]
             raise InvariantViolation(run.report)  # type: ignore[arg-type]
 
+    def __repr__(self) -> str:
+        return f"<torchperf fixture: {len(self._open)} watch(es) open>"
+
     def _close(self) -> None:
         """Stop runs the test left open (a watch entered by hand and never exited)."""
         while self._open:

@@ -14,7 +14,7 @@ import site
 import sys
 import sysconfig
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 __all__ = ["Frame", "Stack", "capture", "site_of", "format_stack", "display_path"]
 
@@ -207,43 +207,53 @@ def _keep(frame: Frame) -> bool:
     return frame.kind in (USER, FRAMEWORK, LIBRARY)
 
 
+def _trim(kept: Sequence[Frame], tail: int) -> list[Union[Frame, int]]:
+    """Keep every user frame, the frame each user frame calls into, and the innermost ``tail`` frames.
+
+    Each run of dropped frames becomes its length (rendered as "... N frames hidden").
+    """
+    keep = set(range(max(len(kept) - tail, 0), len(kept)))
+    for i, frame in enumerate(kept):
+        if frame.is_user:
+            keep.update((i, i + 1))
+    out: list[Union[Frame, int]] = []
+    for i, frame in enumerate(kept):
+        if i in keep:
+            out.append(frame)
+        elif out and isinstance(out[-1], int):
+            out[-1] += 1
+        else:
+            out.append(1)
+    return out
+
+
 def format_stack(
     stack: Sequence[Frame],
     *,
     verbose: bool = False,
     indent: str = "    ",
-    max_frames: int = 12,
+    tail: int = 6,
 ) -> list[str]:
     """Render ``stack`` (outermost first), user frames marked with ``>``.
 
-    By default only user, framework and library frames are shown, at most
-    ``max_frames`` of them (the outermost user frame and the innermost frames
-    are kept); ``verbose`` shows every frame.
+    By default only user, framework and library frames are shown: every user
+    frame, the frame it calls into, and the innermost ``tail`` frames; the
+    rest is folded into "... N frames hidden". ``verbose`` shows every frame.
     """
-    frames: list[Optional[Frame]]
+    entries: list[Union[Frame, int]]
     if verbose:
-        frames = [f for f in stack if f.kind != TORCHPERF]
+        entries = [f for f in stack if f.kind != TORCHPERF]
     else:
-        kept = [f for f in stack if _keep(f)]
-        if not kept and stack:
-            kept = [stack[-1]]
-        frames = list(kept)
-        if len(kept) > max_frames:
-            first_user = next((i for i, f in enumerate(kept) if f.is_user), 0)
-            head = kept[: first_user + 1]
-            tail_len = max(max_frames - len(head), 3)
-            tail = kept[-tail_len:]
-            hidden = len(kept) - len(head) - len(tail)
-            if hidden > 0:
-                frames = head + [None] + tail
+        kept = [f for f in stack if _keep(f)] or list(stack[-1:])
+        entries = _trim(kept, tail)
     lines = []
-    for frame in frames:
-        if frame is None:
-            lines.append(f"{indent}  ... {hidden} frames hidden (-v shows the whole stack)")
+    for entry in entries:
+        if isinstance(entry, int):
+            lines.append(f"{indent}  ... {entry} frames hidden (-v shows the whole stack)")
             continue
-        mark = ">" if frame.is_user else " "
-        lines.append(f"{indent}{mark} {frame.location()} in {frame.function}")
-        src = frame.source
+        mark = ">" if entry.is_user else " "
+        lines.append(f"{indent}{mark} {entry.location()} in {entry.function}")
+        src = entry.source
         if src:
             lines.append(f"{indent}      {src}")
     return lines

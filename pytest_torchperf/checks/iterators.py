@@ -234,6 +234,7 @@ def install(patcher: "Patcher") -> None:
 
     def iter_(original: Callable[..., Any]) -> Callable[..., Any]:
         def __iter__(self: Any) -> Any:
+            __tracebackhide__ = True
             for check in _checks():
                 check.on_pass(self)
             return original(self)
@@ -242,6 +243,7 @@ def install(patcher: "Patcher") -> None:
 
     def pool_init(original: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
+            __tracebackhide__ = True
             original(self, loader, *args, **kwargs)
             checks = _checks()
             if checks:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Side environments with pytorch-lightning 1.5.0 (the seed bug) and 1.5.1 (its fix),
+# each with torch 2.13.0 and this plugin installed editable. Idempotent: an
+# environment that already imports both is kept.
+#   TORCHPERF_LEGACY_ENVS  where to put them (default: .torchperf-envs/ in the repo)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+dest=${TORCHPERF_LEGACY_ENVS:-$root/.torchperf-envs}
+python=${PYTHON:-python3}
+mkdir -p "$dest"
+for version in 1.5.0 1.5.1; do
+  env="$dest/pytorch-lightning-$version"
+  if "$env/bin/python" -c "import pytorch_lightning, pytest_torchperf, pytest" >/dev/null 2>&1; then
+    echo "legacy-envs: $env is ready"
+    continue
+  fi
+  echo "legacy-envs: building $env"
+  rm -rf "$env"
+  "$python" -m venv "$env"
+  pip=("$env/bin/python" -m pip install -q --disable-pip-version-check)
+  "${pip[@]}" torch==2.13.0 pytest
+  # 1.5.x pins old requirements that would pull another torch: install it alone, then what it imports.
+  "${pip[@]}" --no-deps "pytorch-lightning==$version"
+  "${pip[@]}" future tqdm PyYAML fsspec tensorboard "torchmetrics==0.6.0" "pyDeprecate==0.3.1" \
+    packaging typing-extensions numpy "setuptools<70"
+  "${pip[@]}" --no-deps -e "$root"
+  "$env/bin/python" -c "import pytorch_lightning as pl; assert pl.__version__ == '$version', pl.__version__"
+done

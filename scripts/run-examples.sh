@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up and run the main job: the example suites, showing real torchperf failure reports.
+# Each example directory is run with the environment it is about, and the script
+# checks every test ended as the example says (`*_buggy` fails, `*_fixed` passes).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[lightning]"
+bash scripts/legacy-envs.sh
+envs=${TORCHPERF_LEGACY_ENVS:-$root/.torchperf-envs}
+status=0
+run() { .venv/bin/python examples/run.py "$@" -- -p no:warnings || status=1; }
+
+echo; echo "=== The seed bug: pytorch-lightning 1.5.0 drops the DataLoader iterator every epoch"
+run --python "$envs/pytorch-lightning-1.5.0/bin/python" --expect failed examples/seed_bug
+echo; echo "=== The same test under pytorch-lightning 1.5.1, where it was fixed"
+run --python "$envs/pytorch-lightning-1.5.1/bin/python" --expect passed examples/seed_bug
+echo; echo "=== Current Lightning: each *_buggy example fails with a report, its *_fixed twin passes"
+for suite in examples/*/; do
+  [ "$suite" = "examples/seed_bug/" ] && continue
+  run --expect by-name "$suite"
+done
+exit "$status"

@@ -1,0 +1,99 @@
+"""Shared pieces for the plugin's own tests.
+
+Most tests run a small user suite through ``pytester``; ``user_models`` writes a
+``torchperf_models.py`` beside it with a tiny dataset, LightningModule and
+loader/trainer factories, so each test file only holds the test under test.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+# In-process pytester runs drop the modules a run imported when it ends; torch
+# and Lightning cannot be imported twice in one process (operator registries),
+# so import them once here, before any inner run.
+import torch  # noqa: F401
+import torch._dynamo  # noqa: F401
+
+try:
+    import pytorch_lightning  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass
+
+MODELS = textwrap.dedent(
+    '''
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    try:
+        import pytorch_lightning as pl
+    except ImportError:  # pragma: no cover - the lightning package only
+        import lightning.pytorch as pl
+
+
+    class RandomDataset(Dataset):
+        def __init__(self, n=32, width=8):
+            self.x = torch.randn(n, width)
+            self.y = torch.randn(n, 1)
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return self.x[i], self.y[i]
+
+
+    def make_loader(num_workers=2, persistent_workers=True, n=32, batch_size=8, **kwargs):
+        if num_workers == 0:
+            persistent_workers = False
+        return DataLoader(
+            RandomDataset(n),
+            batch_size=batch_size,
+            num_workers=num_workers,
+            persistent_workers=persistent_workers,
+            **kwargs,
+        )
+
+
+    class TinyModule(pl.LightningModule):
+        def __init__(self, width=8):
+            super().__init__()
+            self.layer = torch.nn.Linear(width, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            self.log("train_loss", loss, prog_bar=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+    def make_trainer(tmp_path, max_epochs=3, **kwargs):
+        kwargs.setdefault("num_sanity_val_steps", 1)
+        return pl.Trainer(
+            max_epochs=max_epochs,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+            **kwargs,
+        )
+    '''
+)
+
+
+@pytest.fixture
+def user_models(pytester: pytest.Pytester) -> pytest.Pytester:
+    """A pytester directory holding ``torchperf_models.py`` (see ``MODELS``)."""
+    pytester.makepyfile(torchperf_models=MODELS)
+    pytester.syspathinsert()
+    return pytester

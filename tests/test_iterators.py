@@ -1,0 +1,268 @@
+"""``no_iterator_reset``: worker pools counted on real DataLoaders, plain loops and Lightning fits."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+def _outcomes(result: pytest.RunResult) -> dict[str, int]:
+    return result.parseoutcomes()
+
+
+# -- plain loops through the fixture ------------------------------------------------
+
+
+def test_persistent_loader_reused_across_epochs_passes(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(
+        """
+        from torchperf_models import make_loader
+
+        def test_loop(torchperf):
+            loader = make_loader(num_workers=2, persistent_workers=True)
+            with torchperf.watch() as run:
+                for epoch in range(3):
+                    for batch in loader:
+                        with run.step():
+                            pass
+            check = run.report["no_iterator_reset"]
+            assert check.status == "passed"
+            assert check.figures["pools_started"] == 1
+            assert check.figures["loaders"][0]["passes"] == 3
+            assert run.steps == 12
+        """
+    )
+    result = user_models.runpytest()
+    result.assert_outcomes(passed=1)
+
+
+def test_iterator_set_to_none_fails_at_the_line_that_dropped_it(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(
+        test_drop="""
+        from torchperf_models import make_loader
+
+        def reset(loader):
+            loader._iterator = None
+
+        def test_loop(torchperf):
+            loader = make_loader(num_workers=2, persistent_workers=True)
+            with torchperf.watch():
+                for epoch in range(3):
+                    for batch in loader:
+                        pass
+                    reset(loader)
+        """
+    )
+    result = user_models.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*torchperf: 1 invariant broken: no_iterator_reset (2 extra worker pools in 1 loader)*",
+            "*- torchperf: no_iterator_reset -*",
+            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) started 3 worker pools;*",
+            "*worker pools started in: pass 1, pass 2, pass 3",
+            "*iterator set to None (2x) at test_drop.py:4 in reset [[]your code[]]",
+            "*loader._iterator = None",
+            "*stack (most recent call last; > marks your code):",
+            "*> test_drop.py:12 in test_loop",
+            "*reset(loader)",
+            "*> test_drop.py:4 in reset",
+            "*worker pool rebuilt (2x) at test_drop.py:10 in test_loop*",
+            "*for batch in loader:",
+            "*hint: something drops DataLoader._iterator between epochs*",
+        ]
+    )
+    # The short summary names the invariant and its count.
+    result.stdout.fnmatch_lines(["FAILED test_drop.py::test_loop - torchperf: 1 invariant broken*"])
+
+
+def test_deleting_the_iterator_is_caught(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(
+        test_del="""
+        from torchperf_models import make_loader
+
+        def test_loop(torchperf):
+            loader = make_loader(num_workers=2, persistent_workers=True)
+            with torchperf.watch():
+                for epoch in range(2):
+                    for batch in loader:
+                        pass
+                    del loader._iterator
+                    loader._iterator = None
+        """
+    )
+    result = user_models.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*iterator deleted at test_del.py:9 in test_loop*", "*del loader._iterator"])
+
+
+def test_non_persistent_loader_over_several_epochs_fails_with_a_hint(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(
+        test_np="""
+        from torchperf_models import make_loader
+
+        def test_loop(torchperf):
+            loader = make_loader(num_workers=2, persistent_workers=False)
+            with torchperf.watch() as run:
+                for epoch in range(4):
+                    for batch in loader:
+                        pass
+        """
+    )
+    result = user_models.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*no_iterator_reset (3 extra worker pools in 1 loader)*",
+            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=False) started a new worker pool "
+            "in each of its 4 epochs",
+            "*worker pool rebuilt (3x) at test_np.py:7 in test_loop*",
+            "*hint: pass persistent_workers=True to this DataLoader*",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "loader_args, epochs",
+    [
+        ("num_workers=0", 3),  # no workers: nothing to respawn
+        ("num_workers=2, persistent_workers=False", 1),  # one epoch: one pool
+    ],
+)
+def test_loaders_that_start_no_extra_pool_pass(user_models: pytest.Pytester, loader_args: str, epochs: int) -> None:
+    user_models.makepyfile(
+        f"""
+        from torchperf_models import make_loader
+
+        def test_loop(torchperf):
+            loader = make_loader({loader_args})
+            with torchperf.watch() as run:
+                for epoch in range({epochs}):
+                    for batch in loader:
+                        pass
+            assert run.report["no_iterator_reset"].status == "passed"
+        """
+    )
+    user_models.runpytest().assert_outcomes(passed=1)
+
+
+def test_subclass_overriding_get_iterator_is_still_counted(user_models: pytest.Pytester) -> None:
+    """Pools are counted where workers start, not in DataLoader._get_iterator."""
+    user_models.makepyfile(
+        """
+        from torch.utils.data import DataLoader
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+        from torchperf_models import RandomDataset
+
+        class MyLoader(DataLoader):
+            def _get_iterator(self):
+                return _MultiProcessingDataLoaderIter(self)
+
+            def __iter__(self):  # always builds a new iterator, persistent or not
+                return self._get_iterator()
+
+        def test_loop(torchperf):
+            loader = MyLoader(RandomDataset(), batch_size=8, num_workers=2, persistent_workers=True)
+            with torchperf.watch():
+                for epoch in range(2):
+                    for batch in loader:
+                        pass
+        """
+    )
+    result = user_models.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["MyLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) started 2*"])
+
+
+def test_check_can_be_switched_off(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(
+        """
+        from torchperf_models import make_loader
+
+        def test_loop(torchperf):
+            loader = make_loader(num_workers=2, persistent_workers=False)
+            with torchperf.watch(no_iterator_reset=False) as run:
+                for epoch in range(2):
+                    for batch in loader:
+                        pass
+            assert "no_iterator_reset" not in run.report.checks
+        """
+    )
+    user_models.runpytest().assert_outcomes(passed=1)
+
+
+# -- Lightning fits through the marker -----------------------------------------------
+
+
+def test_lightning_fit_with_persistent_loaders_passes_sanity_check_included(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(
+        """
+        import pytest
+        from torchperf_models import TinyModule, make_loader, make_trainer
+
+        @pytest.mark.torchperf
+        def test_fit(tmp_path, request):
+            train = make_loader(num_workers=2, persistent_workers=True)
+            val = make_loader(num_workers=2, persistent_workers=True)
+            make_trainer(tmp_path, max_epochs=3).fit(TinyModule(), train, val)
+        """
+    )
+    result = user_models.runpytest("-p", "no:warnings")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*= torchperf summary =*",
+            "PASSED  test_lightning_fit_with_persistent_loaders_passes_sanity_check_included.py::test_fit",
+            "*no_iterator_reset: passed (2 loaders with workers, 2 worker pools started)*",
+        ]
+    )
+
+
+def test_lightning_val_loader_without_persistent_workers_fails(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(
+        test_val="""
+        import pytest
+        from torchperf_models import TinyModule, make_loader, make_trainer
+
+        @pytest.mark.torchperf
+        def test_fit(tmp_path):
+            train = make_loader(num_workers=2, persistent_workers=True)
+            val = make_loader(num_workers=2, persistent_workers=False)
+            make_trainer(tmp_path, max_epochs=3).fit(TinyModule(), train, val)
+        """
+    )
+    result = user_models.runpytest("-p", "no:warnings")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*no_iterator_reset (2 extra worker pools in 1 loader)*",
+            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=False) started a new worker pool "
+            "in each of its 3 epochs (and the sanity check)",
+            "*worker pools started in: sanity check, epoch 0 (validate), epoch 1 (validate), epoch 2 (validate)",
+            "*worker pool rebuilt (2x) at *pytorch_lightning/*[[]framework code[]]",
+            "*> test_val.py:8 in test_fit",
+            "*hint: pass persistent_workers=True*",
+        ]
+    )
+
+
+def test_each_trainer_call_may_start_its_own_pool(user_models: pytest.Pytester) -> None:
+    """Lightning shuts workers down when fit returns; validate starting them again is expected."""
+    user_models.makepyfile(
+        """
+        import pytest
+        from torchperf_models import TinyModule, make_loader, make_trainer
+
+        @pytest.mark.torchperf
+        def test_fit_then_validate(tmp_path):
+            val = make_loader(num_workers=2, persistent_workers=True)
+            model = TinyModule()
+            trainer = make_trainer(tmp_path, max_epochs=2)
+            trainer.fit(model, make_loader(num_workers=0), val)
+            trainer.validate(model, val)
+        """
+    )
+    result = user_models.runpytest("-p", "no:warnings")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*no_iterator_reset: passed (1 loader with workers, 2 worker pools started)*"])

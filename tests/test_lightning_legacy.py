@@ -1,0 +1,71 @@
+"""The seed bug for real: pytorch-lightning 1.5.0 fails ``no_iterator_reset``, 1.5.1 passes.
+
+Runs ``examples/seed_bug`` in side environments built by ``scripts/legacy-envs.sh``
+(``TORCHPERF_LEGACY_ENVS``, default ``.torchperf-envs/``). Without them the tests
+skip, unless ``TORCHPERF_REQUIRE_LEGACY=1`` (set by CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENVS = Path(os.environ.get("TORCHPERF_LEGACY_ENVS", ROOT / ".torchperf-envs"))
+EXAMPLE = ROOT / "examples" / "seed_bug" / "test_seed_bug.py"
+
+
+def _python(version: str) -> Path:
+    python = ENVS / f"pytorch-lightning-{version}" / "bin" / "python"
+    if not python.exists():
+        message = f"no pytorch-lightning {version} environment at {python.parent.parent}; run scripts/legacy-envs.sh"
+        if os.environ.get("TORCHPERF_REQUIRE_LEGACY") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
+def _run(version: str, *args: str) -> subprocess.CompletedProcess:
+    python = _python(version)
+    return subprocess.run(
+        [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:warnings", str(EXAMPLE), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_pytorch_lightning_1_5_0_fails_with_the_stack_that_dropped_the_iterator() -> None:
+    result = _run("1.5.0")
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "torchperf: 1 invariant broken: no_iterator_reset (7 extra worker pools in 2 loaders)" in out
+    # The train loader: one pool per epoch instead of one for the fit.
+    assert (
+        "DataLoader(dataset=SlowToOpenDataset, num_workers=2, persistent_workers=True) started 4 worker pools"
+        in out
+    )
+    assert "worker pools started in: epoch 0 (train), epoch 1 (train), epoch 2 (train), epoch 3 (train)" in out
+    # The frame the seed's author found by hand, with the stack that led there.
+    assert (
+        "iterator set to None (3x) at pytorch_lightning/trainer/supporters.py:498 "
+        "in _shutdown_workers_and_reset_iterator [framework code]" in out
+    )
+    assert "dataloader._iterator = None" in out
+    assert "pytorch_lightning/utilities/fetching.py:210 in reset" in out
+    assert "> examples/seed_bug/test_seed_bug.py:" in out
+    assert "trainer.fit(Regressor(), loader(shuffle=True), loader(shuffle=False))" in out
+    # The validation loader too, its sanity-check pool included.
+    assert "worker pools started in: sanity check, epoch 0 (validate), epoch 1 (validate)" in out
+    assert "fixed in 1.5.1" in out
+
+
+def test_pytorch_lightning_1_5_1_passes() -> None:
+    result = _run("1.5.1")
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "no_iterator_reset: passed (2 loaders with workers, 2 worker pools started)" in out
