@@ -1,28 +1,163 @@
-"""pytest glue: the ``torchperf`` marker and fixture, failure reports, the summary.
+"""pytest glue: the ``torchperf`` marker and fixture, options, failure reports, summary, JSON.
 
 The checking itself lives in :mod:`pytest_torchperf.watch` and is plain Python;
-this module only decides when to watch, turns a broken invariant into a failed
-test report and prints the terminal summary. An unmarked test that does not
-request the fixture costs one marker lookup.
+this module decides when to watch, turns a broken invariant into a failed
+test report, and records every watched test's verdicts for the terminal
+summary, JUnit properties and the JSON report (on the xdist controller, from
+the reports its workers send). An unmarked test that does not request the
+fixture costs one marker lookup.
+
+Precedence of every setting: marker (or ``torchperf.watch()`` argument) >
+command line > ini file > default. Command-line defaults are None so they
+never shadow an ini value.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator, Optional
 
 import pytest
 
-from . import stacks
-from .options import Options, UsageError, describe_options, parse_options
-from .report import NOT_CHECKED, InvariantViolation, Report
+from . import results, stacks
+from .options import SCOPES, Options, UsageError, _suggest, describe_options, parse_options
+from .report import FAILED, NOT_CHECKED, InvariantViolation, Report
 from .watch import Run, _watching
 
 MARKER = "torchperf"
+#: Environment variable naming the file lock that serialises timed sections across xdist workers.
+TIMING_LOCK_ENV = "PYTEST_TORCHPERF_TIMING_LOCK"
 
 _OPTIONS = pytest.StashKey[Optional[Options]]()
-_RUNS = pytest.StashKey["list[Run]"]()
+_RUNS = pytest.StashKey["list[tuple[str, Run]]"]()
+_SETTINGS = pytest.StashKey["Settings"]()
+
+
+# -- settings ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Session-wide settings, resolved once from the command line, the ini file and defaults."""
+
+    scope: Optional[str] = None  # None: each marker's own default
+    report_only: bool = False
+    json_path: Optional[str] = None
+    threads: str = "auto"  # "auto", "off" or a positive integer
+
+
+def _scope_arg(value: str) -> str:
+    if value not in SCOPES:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(SCOPES)}, got {value!r}{_suggest(value, SCOPES)}"
+        )
+    return value
+
+
+def _threads_arg(value: str) -> str:
+    if value in ("auto", "off") or (value.isdigit() and int(value) > 0):
+        return value
+    raise argparse.ArgumentTypeError(f"must be 'auto', 'off' or a positive integer, got {value!r}")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("torchperf", "PyTorch/Lightning performance invariants (pytest-torchperf)")
+    group.addoption(
+        "--torchperf-json",
+        metavar="PATH",
+        default=None,
+        help="write every watched test's verdicts and figures to this JSON file (ini: torchperf_json)",
+    )
+    group.addoption(
+        "--torchperf-scope",
+        metavar="SCOPE",
+        type=_scope_arg,
+        default=None,
+        help=f"default scope of the step checks for every marker and watch: {', '.join(SCOPES)} "
+        "(a marker's own scope= wins; ini: torchperf_scope)",
+    )
+    group.addoption(
+        "--torchperf-report-only",
+        action="store_true",
+        default=None,
+        help="report broken invariants without failing tests, to adopt the plugin on an existing suite "
+        "(ini: torchperf_report_only)",
+    )
+    group.addoption(
+        "--torchperf-threads",
+        metavar="N",
+        type=_threads_arg,
+        default=None,
+        help="torch CPU threads per process: 'auto' (under xdist: cores / workers, unless OMP_NUM_THREADS "
+        "or MKL_NUM_THREADS is set), 'off' or a number (ini: torchperf_threads; default auto)",
+    )
+    parser.addini("torchperf_json", "write the torchperf JSON report to this path", type="string", default="")
+    parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
+    parser.addini("torchperf_report_only", "report broken invariants without failing tests", type="bool", default=False)
+    parser.addini("torchperf_threads", "torch CPU threads per process: auto, off or a number", type="string", default="")
+
+
+def resolve_settings(config: pytest.Config) -> Settings:
+    """Command line > ini > default, with ini values validated like command-line ones."""
+
+    def ini(name: str, check: Any) -> Optional[str]:
+        value = str(config.getini(name) or "").strip()
+        if not value:
+            return None
+        try:
+            return check(value)
+        except argparse.ArgumentTypeError as exc:
+            raise pytest.UsageError(f"pytest-torchperf: ini option {name} {exc}") from None
+
+    scope = config.getoption("torchperf_scope") or ini("torchperf_scope", _scope_arg)
+    report_only = config.getoption("torchperf_report_only")
+    if report_only is None:
+        report_only = bool(config.getini("torchperf_report_only"))
+    json_path = config.getoption("torchperf_json") or ini("torchperf_json", str)
+    if json_path:
+        json_path = os.path.join(str(config.invocation_params.dir), os.path.expanduser(json_path))
+    threads = config.getoption("torchperf_threads") or ini("torchperf_threads", _threads_arg) or "auto"
+    return Settings(scope=scope, report_only=report_only, json_path=json_path, threads=threads)
+
+
+def _apply_threads(config: pytest.Config, settings: Settings) -> None:
+    """Keep xdist workers from oversubscribing the cores (or pin the count the user asked for)."""
+    workerinput = getattr(config, "workerinput", None)
+    if settings.threads == "off":
+        return
+    if settings.threads == "auto":
+        if workerinput is None or os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+            return
+        workers = int(workerinput.get("workercount", 1) or 1)
+        threads = max(1, (os.cpu_count() or 1) // workers)
+    else:
+        threads = int(settings.threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+    else:  # read by torch when it is imported; never import it here
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+class _XdistController:
+    """Registered on the xdist controller only: hands each worker the session's timing lock."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="torchperf-")
+        self.lock_path = os.path.join(self.directory, "timing.lock")
+
+    def pytest_configure_node(self, node: Any) -> None:
+        node.workerinput["torchperf_timing_lock"] = self.lock_path
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -31,15 +166,34 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{MARKER}({describe_options()}): watch the test body and fail the test when a "
         "PyTorch/Lightning performance invariant breaks (see the pytest-torchperf README).",
     )
-    config.pluginmanager.register(_Summary(), "torchperf-summary")
+    settings = config.stash[_SETTINGS] = resolve_settings(config)
     stacks.set_display_root(str(config.rootpath))
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        lock = workerinput.get("torchperf_timing_lock")
+        if lock and TIMING_LOCK_ENV not in os.environ:
+            os.environ[TIMING_LOCK_ENV] = lock
+    elif config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") != "no":
+        controller = _XdistController()
+        config.pluginmanager.register(controller, "torchperf-xdist")
+        config.add_cleanup(controller.close)
+    _apply_threads(config, settings)
+    config.pluginmanager.register(_Recorder(config, settings), "torchperf-recorder")
+
+
+# -- watching a test ------------------------------------------------------------------------
+
+
+def _session_defaults(config: pytest.Config) -> dict[str, Any]:
+    settings = config.stash[_SETTINGS]
+    return {"scope": settings.scope} if settings.scope else {}
 
 
 def _marker_options(item: pytest.Item) -> Optional[Options]:
     marks = list(item.iter_markers(MARKER))
     if not marks:
         return None
-    merged: dict[str, Any] = {}
+    merged: dict[str, Any] = _session_defaults(item.config)
     # iter_markers yields the closest marker first: apply farthest first so closer ones win.
     for mark in reversed(marks):
         parse_options(mark.kwargs, args=mark.args, where=f"@pytest.mark.{MARKER}")
@@ -61,17 +215,26 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.fail(f"pytest-torchperf: {error}", pytrace=False)
 
 
+def _verdict(config: pytest.Config, run: Run) -> None:
+    """Fail the test on a broken invariant, unless the session only reports."""
+    assert run.report is not None
+    if not run.report.passed and not config.stash[_SETTINGS].report_only:
+        raise InvariantViolation(run.report)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     options = item.stash.get(_OPTIONS, None)
     if options is None:
         return (yield)
     with _watching(options) as run:
-        item.stash[_RUNS].append(run)
+        item.stash[_RUNS].append(("marker", run))
         result = yield
-    if not run.report.passed:  # type: ignore[union-attr]
-        raise InvariantViolation(run.report)  # type: ignore[arg-type]
+    _verdict(item.config, run)
     return result
+
+
+# -- failure reports ------------------------------------------------------------------------
 
 
 @dataclass
@@ -103,18 +266,25 @@ class TorchperfFailure:
         return self.report.render(self.verbose)
 
 
+def _run_data(source: str, run: Run) -> dict[str, Any]:
+    assert run.report is not None
+    data = {"source": source, "options": dataclasses.asdict(run.options)}
+    data.update(run.report.to_dict())
+    return data
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
     report = yield
     if call.when != "call":
         return report
-    reports = [run.report for run in item.stash.get(_RUNS, []) if run.report is not None]
-    if reports:
+    runs = [_run_data(source, run) for source, run in item.stash.get(_RUNS, []) if run.report is not None]
+    if runs:
         # Plain data, so it travels from xdist workers to the controller with the report.
-        report.torchperf = [
-            {name: {"status": c.status, "summary": c.summary, "count": c.count} for name, c in r.checks.items()}
-            for r in reports
-        ]
+        report.torchperf = runs
+        report.torchperf_report_only = item.config.stash[_SETTINGS].report_only
+        properties = results.junit_properties(results.merge_checks(runs))
+        item.user_properties.extend(properties)  # JUnit XML writes the teardown report's properties
     exc = call.excinfo.value if call.excinfo is not None else None
     if isinstance(exc, InvariantViolation) and report.failed:
         verbose = (item.config.getoption("verbose", 0) or 0) > 0
@@ -122,33 +292,69 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-class _Summary:
-    """Collects the torchperf figures of every test report (on the xdist controller too)."""
+# -- the session's record: summary table and JSON ----------------------------------------------
 
-    def __init__(self) -> None:
-        self.entries: list[tuple[str, str, list[dict[str, Any]]]] = []
+
+class _Recorder:
+    """Collects every watched test's verdicts (from worker reports too) for the summary and JSON."""
+
+    def __init__(self, config: pytest.Config, settings: Settings) -> None:
+        self.config = config
+        self.settings = settings
+        self.tests: list[dict[str, Any]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         runs = getattr(report, "torchperf", None)
         if report.when == "call" and runs:
-            self.entries.append((report.nodeid, report.outcome, runs))
+            report_only = bool(getattr(report, "torchperf_report_only", False))
+            self.tests.append(results.test_entry(report.nodeid, report.outcome, report.duration, runs, report_only))
+
+    @property
+    def _is_worker(self) -> bool:
+        return getattr(self.config, "workerinput", None) is not None
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self._is_worker or not self.settings.json_path:
+            return
+        env: dict[str, Any] = results.environment(results.device_info())
+        env["xdist_workers"] = getattr(self.config.option, "numprocesses", None) or 0
+        env["report_only"] = self.settings.report_only
+        results.write(self.settings.json_path, results.document(self.tests, env))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not self.entries:
+        if self._is_worker or not self.tests:
             return
         tr = terminalreporter
+        verbose = (self.config.getoption("verbose", 0) or 0) > 0
         tr.write_sep("=", "torchperf summary")
-        for nodeid, outcome, runs in self.entries:
-            markup = {"red": True} if outcome == "failed" else {"green": True}
-            tr.write_line(f"{outcome.upper():7} {nodeid}", **markup)
-            for checks in runs:
+        broken: dict[str, int] = {}
+        for test in self.tests:
+            failed = [name for name, c in test["checks"].items() if c["status"] == FAILED]
+            for name in failed:
+                broken[name] = broken.get(name, 0) + 1
+            note = " (report only: broken invariants did not fail it)" if failed and test["report_only"] else ""
+            markup = {"red": True} if test["outcome"] == "failed" or failed else {"green": True}
+            tr.write_line(f"{test['outcome'].upper():7} {test['nodeid']}{note}", **markup)
+            for run in test["runs"]:
                 parts = []
-                for name, check in checks.items():
+                for name, check in run["checks"].items():
                     if check["status"] == NOT_CHECKED:
-                        parts.append(f"{name}: not checked")
+                        parts.append(f"{name}: not checked" + (f" ({check['summary']})" if verbose else ""))
                     else:
                         parts.append(f"{name}: {check['status']} ({check['summary']})")
-                tr.write_line("        " + " | ".join(parts))
+                tr.write_line(f"        {run['source']}: " + " | ".join(parts))
+        watched = len(self.tests)
+        line = f"torchperf: {watched} watched test{'s' if watched != 1 else ''}"
+        if broken:
+            line += ", broken invariants: " + ", ".join(f"{name} in {n}" for name, n in broken.items())
+        else:
+            line += ", no broken invariant"
+        tr.write_line(line)
+        if self.settings.json_path:
+            tr.write_line(f"torchperf: JSON report written to {self.settings.json_path}")
+
+
+# -- the fixture ----------------------------------------------------------------------------
 
 
 class TorchperfFixture:
@@ -164,18 +370,19 @@ class TorchperfFixture:
 
         Yields the :class:`~pytest_torchperf.Run`; mark each training step of a
         plain loop with ``with run.step():``. On a clean exit a broken invariant
-        fails the test with the torchperf report; ``run.report`` holds the verdicts.
+        fails the test with the torchperf report (unless the session runs with
+        ``--torchperf-report-only``); ``run.report`` holds the verdicts.
         """
-        options = parse_options(kwargs, where="torchperf.watch()")
+        parse_options(kwargs, where="torchperf.watch()")  # the caller's own mistakes, named as theirs
+        options = parse_options({**_session_defaults(self._item.config), **kwargs}, where="torchperf.watch()")
         with _watching(options) as run:
             self._open.append(run)
-            self._item.stash.setdefault(_RUNS, []).append(run)
+            self._item.stash.setdefault(_RUNS, []).append(("fixture", run))
             try:
                 yield run
             finally:
                 self._open.remove(run)
-        if not run.report.passed:  # type: ignore[union-attr]
-            raise InvariantViolation(run.report)  # type: ignore[arg-type]
+        _verdict(self._item.config, run)
 
     def __repr__(self) -> str:
         return f"<torchperf fixture: {len(self._open)} watch(es) open>"

@@ -27,6 +27,10 @@ PASSED = "passed"
 FAILED = "failed"
 NOT_CHECKED = "not checked"
 
+#: Without ``-v``, a report shows at most this many findings per invariant and sites per finding.
+MAX_FINDINGS = 5
+MAX_SITES = 3
+
 
 @dataclass
 class Site:
@@ -78,8 +82,11 @@ class Finding:
     def render(self, verbose: bool) -> list[str]:
         lines = [self.title]
         lines.extend(f"  {fact}" for fact in self.facts)
-        for s in self.sites:
+        shown = self.sites if verbose else self.sites[:MAX_SITES]
+        for s in shown:
             lines.extend(s.render(verbose))
+        if len(shown) < len(self.sites):
+            lines.append(f"  ... {len(self.sites) - len(shown)} more sites (-v shows all)")
         if self.hint:
             lines.append(f"  hint: {self.hint}")
         return lines
@@ -109,11 +116,14 @@ class CheckResult:
         return self.status == FAILED
 
     def render(self, verbose: bool) -> list[str]:
-        lines = []
-        for i, finding in enumerate(self.findings):
+        lines: list[str] = []
+        shown = self.findings if verbose else self.findings[:MAX_FINDINGS]
+        for i, finding in enumerate(shown):
             if i:
                 lines.append("")
             lines.extend(finding.render(verbose))
+        if len(shown) < len(self.findings):
+            lines.append(f"... {len(self.findings) - len(shown)} more findings (-v shows all)")
         return lines
 
     def to_dict(self) -> dict[str, Any]:

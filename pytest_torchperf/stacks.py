@@ -118,7 +118,9 @@ class _Classifier:
             self._build()
         assert self._roots is not None and self._prefixes is not None
         if filename.startswith("<"):
-            kind = STDLIB if filename.startswith("<frozen") else USER
+            # "<frozen ...>" is the import system, "<string>" exec'd bootstrap code (xdist's
+            # workers); other pseudo-files ("<stdin>", notebook cells) are the user's.
+            kind = STDLIB if filename.startswith(("<frozen", "<string>")) else USER
         else:
             path = os.path.realpath(filename)
             kind = USER
