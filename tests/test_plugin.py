@@ -260,3 +260,35 @@ def test_xdist_gives_the_serial_verdicts_and_one_summary(user_models: pytest.Pyt
         ]
     )
     parallel.stdout.fnmatch_lines(["FAILED test_many.py::test_loop[[]False[]]*"])
+
+
+def test_lightning_imported_inside_the_test_is_observed(user_models: pytest.Pytester) -> None:
+    """A Trainer imported after the watch started is patched on import, and unpatched after."""
+    user_models.makepyfile(
+        test_late="""
+        import sys
+        import pytest
+
+        @pytest.mark.torchperf
+        def test_fit(tmp_path):
+            assert "pytorch_lightning" not in sys.modules
+            from torchperf_models import TinyModule, make_loader, make_trainer
+            make_trainer(tmp_path, max_epochs=2).fit(
+                TinyModule(), make_loader(num_workers=0), make_loader(persistent_workers=False)
+            )
+
+        def test_after():
+            import pytorch_lightning as pl
+            assert not [f for f in sys.meta_path if "torchperf" in type(f).__module__]
+            assert not hasattr(pl.Trainer.fit, "__wrapped__")
+        """
+    )
+    # A fresh interpreter, so Lightning is not imported before the test body runs.
+    result = user_models.runpytest_subprocess("-p", "no:warnings", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*worker pools started in: sanity check, epoch 0 (validate), epoch 1 (validate)",
+            "*worker pool rebuilt at *pytorch_lightning/*[[]framework code[]]",
+        ]
+    )
