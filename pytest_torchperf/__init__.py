@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from .options import Options, UsageError, parse_options
 from .report import CheckResult, Finding, InvariantViolation, Report, Site
+from .timing import NotMirrored, ParityResult, parity, vanilla_fit
 from .watch import Run, watch
 
 __version__ = "0.1.0"
@@ -23,12 +24,16 @@ __all__ = [
     "CheckResult",
     "Finding",
     "InvariantViolation",
+    "NotMirrored",
     "Options",
+    "ParityResult",
     "Report",
     "Run",
     "Site",
     "UsageError",
+    "parity",
     "parse_options",
+    "vanilla_fit",
     "watch",
     "__version__",
 ]

@@ -8,21 +8,29 @@ For a fit, the module's ``training_step`` is the step; the batch scope opens in
 a callback placed first in ``trainer.callbacks`` (``on_train_batch_start``) and
 closes after the module's own ``on_train_batch_end``. All of it, the callback
 included, is removed when the call returns.
+
+For checks that replay a fit (``max_overhead``): the arguments of the call in
+flight (:func:`current_call`) and of the ``Trainer(...)`` that made it, when it
+was built while a run watched (:func:`trainer_init_args`); Lightning calls made
+by torchperf itself run :func:`unobserved`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.abc
 import importlib.util
 import sys
-from typing import Any, Callable, Optional
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
 
 from .patching import Patcher
 from .watch import active_runs
 
-__all__ = ["install", "current_trainer", "stage_label"]
+__all__ = ["install", "current_trainer", "current_call", "trainer_init_args", "unobserved", "stage_label"]
 
 #: Trainer module -> the package whose ``callbacks.Callback`` goes with it.
 _TRAINER_MODULES = {
@@ -35,9 +43,51 @@ _TRAINER_CALLS = ("fit", "validate", "test", "predict")
 _trainers: list[Any] = []
 
 
+@dataclass
+class TrainerCall:
+    """One observed ``Trainer.<kind>(*args, **kwargs)`` call, for checks that need its arguments."""
+
+    kind: str
+    trainer: Any
+    package: str  # "pytorch_lightning" or "lightning.pytorch"
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+#: Observed calls in flight, innermost last.
+_calls: list[TrainerCall] = []
+#: Trainer -> the (args, kwargs) of its ``__init__``, for Trainers built while a run was watching.
+_init_args: "weakref.WeakKeyDictionary[Any, tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
+#: > 0 while torchperf runs Lightning itself (timing replays): calls then pass through unobserved.
+_unobserved = [0]
+
+
 def current_trainer() -> Optional[Any]:
     """The Trainer whose observed call is running now, if any."""
     return _trainers[-1] if _trainers else None
+
+
+def current_call() -> Optional[TrainerCall]:
+    """The observed Trainer call running now (checks read its arguments in ``on_trainer_call``)."""
+    return _calls[-1] if _calls else None
+
+
+def trainer_init_args(trainer: Any) -> Optional[tuple[tuple, dict]]:
+    """``(args, kwargs)`` the Trainer was built with, if it was built while a run was watching."""
+    try:
+        return _init_args.get(trainer)
+    except TypeError:
+        return None
+
+
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """Trainers built and called inside are not observed by any run (torchperf's own fits)."""
+    _unobserved[0] += 1
+    try:
+        yield
+    finally:
+        _unobserved[0] -= 1
 
 
 def stage_label() -> Optional[tuple[str, bool]]:
@@ -129,11 +179,13 @@ def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) ->
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # a user's exception shows the user's frames, not ours
         runs = list(active_runs())
-        if not runs or any(t is self for t in _trainers):
+        if not runs or _unobserved[0] or any(t is self for t in _trainers):
             return original(self, *args, **kwargs)
         local = Patcher()
         _trainers.append(self)
         local.callback(_trainers.pop)
+        _calls.append(TrainerCall(kind, self, package, args, dict(kwargs)))
+        local.callback(_calls.pop)
         model = args[0] if args else kwargs.get("model")
         try:
             for run in runs:
@@ -153,7 +205,23 @@ def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) ->
     return call
 
 
+def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        __tracebackhide__ = True
+        if active_runs() and not _unobserved[0]:
+            # Lists copied: pytorch-lightning 1.x appends its own callbacks to the list it was given.
+            recorded = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+            with contextlib.suppress(TypeError):
+                _init_args[self] = (tuple(list(a) if isinstance(a, list) else a for a in args), recorded)
+        original(self, *args, **kwargs)
+
+    return __init__
+
+
 def _patch_trainer(patcher: Patcher, trainer_cls: Any, package: str) -> None:
+    if "__init__" in vars(trainer_cls):
+        patcher.setattr(trainer_cls, "__init__", _wrap_init(vars(trainer_cls)["__init__"]))
     for kind in _TRAINER_CALLS:
         if kind in vars(trainer_cls):
             patcher.setattr(trainer_cls, kind, _wrap_trainer_call(kind, vars(trainer_cls)[kind], package))

@@ -22,13 +22,14 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Generator, Iterator, Optional
+from typing import Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
 from . import results, stacks
-from .options import SCOPES, Options, UsageError, _suggest, describe_options, parse_options
+from .options import OVERHEAD_ROUNDS, SCOPES, Options, UsageError, _suggest, describe_options, parse_options
 from .report import FAILED, NOT_CHECKED, InvariantViolation, Report
+from .timing import ParityResult, parity
 from .watch import Run, _watching
 
 MARKER = "torchperf"
@@ -36,7 +37,7 @@ MARKER = "torchperf"
 TIMING_LOCK_ENV = "PYTEST_TORCHPERF_TIMING_LOCK"
 
 _OPTIONS = pytest.StashKey[Optional[Options]]()
-_RUNS = pytest.StashKey["list[tuple[str, Run]]"]()
+_RUNS = pytest.StashKey["list[tuple[str, Any]]"]()  # (source, a Run or a _Comparison)
 _SETTINGS = pytest.StashKey["Settings"]()
 
 
@@ -266,9 +267,10 @@ class TorchperfFailure:
         return self.report.render(self.verbose)
 
 
-def _run_data(source: str, run: Run) -> dict[str, Any]:
-    assert run.report is not None
-    data = {"source": source, "options": dataclasses.asdict(run.options)}
+def _run_data(source: str, run: Any) -> dict[str, Any]:
+    """A finished run (a :class:`Run`, or a fixture comparison) as plain data."""
+    options = run.options if isinstance(run.options, dict) else dataclasses.asdict(run.options)
+    data = {"source": source, "options": options}
     data.update(run.report.to_dict())
     return data
 
@@ -357,8 +359,16 @@ class _Recorder:
 # -- the fixture ----------------------------------------------------------------------------
 
 
+@dataclass
+class _Comparison:
+    """A ``torchperf.parity()`` result, recorded like a run for the summary, JUnit and JSON."""
+
+    report: Report
+    options: dict[str, Any]
+
+
 class TorchperfFixture:
-    """The ``torchperf`` fixture: ``torchperf.watch(**options)`` around a user's own loop."""
+    """The ``torchperf`` fixture: ``watch()`` around a user's own loop, ``parity()`` of two loops."""
 
     def __init__(self, item: pytest.Item) -> None:
         self._item = item
@@ -383,6 +393,35 @@ class TorchperfFixture:
             finally:
                 self._open.remove(run)
         _verdict(self._item.config, run)
+
+    def parity(
+        self,
+        candidate: Callable[[], Any],
+        baseline: Callable[[], Any],
+        *,
+        max_overhead: Optional[float] = None,
+        rounds: int = OVERHEAD_ROUNDS,
+        warmup: int = 1,
+        names: tuple[str, str] = ("candidate", "baseline"),
+    ) -> ParityResult:
+        """Time two callables that each run one epoch; fail when ``candidate`` exceeds ``max_overhead``.
+
+        The statistics are those of the ``max_overhead`` invariant (interleaved
+        rounds, warm-up dropped, median paired ratio with a 95% bootstrap
+        interval; see :func:`pytest_torchperf.parity`). The comparison is
+        recorded for the summary and the JSON report, and a ``max_overhead``
+        exceeded fails the test with the same report as the marker (unless the
+        session runs with ``--torchperf-report-only``).
+        """
+        result = parity(
+            candidate, baseline, max_overhead=max_overhead, rounds=rounds, warmup=warmup, names=names, check=False
+        )
+        report = result.report()
+        options = {"max_overhead": max_overhead, "rounds": rounds, "warmup": warmup, "names": list(names)}
+        self._item.stash.setdefault(_RUNS, []).append(("parity", _Comparison(report, options)))
+        if result.exceeded and not self._item.config.stash[_SETTINGS].report_only:
+            raise InvariantViolation(report)
+        return result
 
     def __repr__(self) -> str:
         return f"<torchperf fixture: {len(self._open)} watch(es) open>"

@@ -11,14 +11,14 @@ run starts.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from . import stacks
 from .options import Options, parse_options
 from .patching import Patcher
 from .report import InvariantViolation, Report
 
-__all__ = ["Run", "watch", "active_runs"]
+__all__ = ["Run", "watch", "active_runs", "FLAGS"]
 
 _ACTIVE: list["Run"] = []
 _patcher: Optional[Patcher] = None
@@ -29,23 +29,70 @@ def active_runs() -> list["Run"]:
     return _ACTIVE
 
 
-def _install() -> Patcher:
-    from .checks import install_probes
+class _Flags:
+    """Global switches read on the probes' hot paths (one attribute load each).
 
-    stacks.classify.reset()
-    patcher = Patcher()
-    try:
-        install_probes(patcher)
-    except BaseException:
-        patcher.undo()
-        raise
-    return patcher
+    Kept current by every scope transition of every run; a probe that only
+    matters inside a step returns at once while ``in_scope`` is False.
+    """
+
+    #: Some run is watching.
+    active = False
+    #: Some active run's step checks apply right now (see :attr:`Run.in_scope`).
+    in_scope = False
+    #: Called with the new ``in_scope`` value whenever it changes (probes add and remove their own).
+    listeners: "list[Callable[[bool], None]]" = []
+
+
+FLAGS = _Flags
+
+
+def _refresh_flags() -> None:
+    FLAGS.active = any(run._active for run in _ACTIVE)
+    _refresh_scope()
+
+
+def _refresh_scope() -> None:
+    """Recompute ``FLAGS.in_scope`` (``Run.in_scope`` inlined: this runs at every step's end)."""
+    now = False
+    for run in _ACTIVE:
+        if run._active and (
+            run._step_depth or run.options.scope == "test" or (run._batch_depth and run.options.scope == "batch")
+        ):
+            now = True
+            break
+    if now is not FLAGS.in_scope:
+        _set_in_scope(now)
+
+
+def _set_in_scope(now: bool) -> None:
+    FLAGS.in_scope = now
+    if FLAGS.listeners:
+        for listener in list(FLAGS.listeners):
+            listener(now)
+
+
+#: Probes installed for the active runs (by module name), undone with ``_patcher``.
+_installed: set[str] = set()
 
 
 def _activate(run: "Run") -> None:
+    """Make ``run`` active, installing the probes its invariants need that are not in yet."""
+    from .checks import install_probes
+
     global _patcher
-    if not _ACTIVE:
-        _patcher = _install()
+    if _patcher is None:
+        stacks.classify.reset()
+        _patcher = Patcher()
+        _installed.clear()
+    try:
+        install_probes(_patcher, run.options.enabled_checks, _installed)
+    except BaseException:
+        if not _ACTIVE:
+            patcher, _patcher = _patcher, None
+            _installed.clear()
+            patcher.undo()
+        raise
     _ACTIVE.append(run)
 
 
@@ -55,6 +102,7 @@ def _deactivate(run: "Run") -> None:
         _ACTIVE.remove(run)
     if not _ACTIVE and _patcher is not None:
         patcher, _patcher = _patcher, None
+        _installed.clear()
         patcher.undo()
 
 
@@ -68,9 +116,13 @@ class Run:
         self.report: Optional[Report] = None
         #: Training steps seen: ``training_step`` calls of observed fits plus ``run.step()`` blocks.
         self.steps = 0
+        #: Batches seen: Lightning train batches (when a run asks for the batch scope) plus ``run.step()`` blocks.
+        self.batches = 0
         self._step_depth = 0
         self._batch_depth = 0
         self._active = False
+        #: What ``step()`` returns: stateless, so one serves every step (and nested steps).
+        self._step_block = _Step(self)
         self.checks = make_checks(self)
 
     # -- scope -----------------------------------------------------------------
@@ -94,15 +146,21 @@ class Run:
         if self._step_depth == 0:
             self.steps += 1
         self._step_depth += 1
+        _refresh_scope()
 
     def _step_ended(self) -> None:
         self._step_depth = max(self._step_depth - 1, 0)
+        _refresh_scope()
 
     def _batch_started(self) -> None:
+        if self._batch_depth == 0:
+            self.batches += 1
         self._batch_depth = 1
+        _refresh_scope()
 
     def _batch_ended(self) -> None:
         self._batch_depth = 0
+        _refresh_scope()
 
     def _notify(self, hook_name: str, *args: Any) -> None:
         for check in self.checks.values():
@@ -118,26 +176,19 @@ class Run:
         """The call returned or raised (checks see ``on_trainer_call_end``)."""
         self._notify("on_trainer_call_end", kind, trainer, model)
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator["Run"]:
-        """Mark one training step of a plain PyTorch loop."""
-        if not self._active:
-            raise RuntimeError("run.step() used outside its `with torchperf.watch()` block")
-        self._step_started()
-        self._batch_started()
-        try:
-            yield self
-        finally:
-            self._batch_ended()
-            self._step_ended()
+    def step(self) -> "_Step":
+        """Mark one training step of a plain PyTorch loop: ``with run.step(): ...``."""
+        return self._step_block
 
     # -- lifecycle ---------------------------------------------------------------
     def _start(self) -> None:
         _activate(self)
         self._active = True
+        _refresh_flags()
 
     def _stop(self) -> None:
         self._active = False
+        _refresh_flags()  # before the probes are undone: scope listeners restore what they changed
         _deactivate(self)
 
     def finish(self) -> Report:
@@ -151,6 +202,37 @@ class Run:
     def __repr__(self) -> str:
         state = "active" if self._active else ("finished" if self.report else "idle")
         return f"<torchperf Run {state} steps={self.steps} checks={list(self.checks)}>"
+
+
+class _Step:
+    """The context manager of :meth:`Run.step` (a small class: it runs every step, so it is kept cheap)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __enter__(self) -> Run:
+        run = self.run
+        if not run._active:
+            raise RuntimeError("run.step() used outside its `with torchperf.watch()` block")
+        # _step_started() and _batch_started() inlined, one scope update: this runs every step.
+        if run._step_depth == 0:
+            run.steps += 1
+        run._step_depth += 1
+        if run._batch_depth == 0:
+            run.batches += 1
+        run._batch_depth = 1
+        if not FLAGS.in_scope:  # a step puts its run in scope, whatever the scope option
+            _set_in_scope(True)
+        return run
+
+    def __exit__(self, *exc_info: Any) -> None:
+        run = self.run
+        run._batch_depth = 0
+        depth = run._step_depth - 1
+        run._step_depth = depth if depth > 0 else 0
+        _refresh_scope()
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ run --python "$envs/pytorch-lightning-1.5.1/bin/python" --expect passed examples
 echo; echo "=== Current Lightning: each *_buggy example fails with a report, its *_fixed twin passes"
 for suite in examples/*/; do
   [ "$suite" = "examples/seed_bug/" ] && continue
+  compgen -G "${suite}test_*.py" >/dev/null || continue
   run --expect by-name "$suite"
 done
 exit "$status"

@@ -22,6 +22,18 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+# The same for the plugin's check modules (imported lazily when a run starts): a
+# test module importing one of them keeps the package alive across inner runs,
+# while a sibling first imported inside a run would be dropped and re-imported,
+# leaving two copies of its state.
+import importlib  # noqa: E402
+import pkgutil  # noqa: E402
+
+import pytest_torchperf.checks  # noqa: E402
+
+for _module in pkgutil.iter_modules(pytest_torchperf.checks.__path__):
+    importlib.import_module(f"pytest_torchperf.checks.{_module.name}")
+
 MODELS = textwrap.dedent(
     '''
     import torch

@@ -12,7 +12,7 @@ def test_bare_marker_means_the_defaults() -> None:
     assert options == Options()
     assert options.scope == "training_step"
     assert options.max_overhead is None
-    assert options.enabled_checks == ("no_host_sync", "on_device", "no_iterator_reset")
+    assert options.enabled_checks == ("no_host_sync", "on_device", "no_iterator_reset", "no_data_parallel")
 
 
 def test_max_overhead_enables_its_check_and_is_stored_as_float() -> None:
@@ -125,7 +125,7 @@ def test_marker_is_registered_with_its_signature(pytester: pytest.Pytester) -> N
     result.stdout.fnmatch_lines(
         [
             "@pytest.mark.torchperf(no_host_sync=True, on_device=True, no_iterator_reset=True, "
-            "max_overhead=None, scope='training_step'*"
+            "max_overhead=None, *scope='training_step'*"
         ]
     )
 

@@ -1,0 +1,204 @@
+"""What the step checks (``no_host_sync`` and ``on_device``) cost a training step, interleaved A/B.
+
+Budget (issues 3 and 4): with the default checks on, a step of a tiny op-bound
+MLP (batch 32, width 64, one CPU thread) runs at most 1.05x its unwatched
+time, and a compute-bound step at most 1.02x.
+
+Variants, timed in one process over the same model and data:
+
+- ``A``  unwatched;
+- ``A'`` unwatched again: the A/A calibration (this machine's noise);
+- ``S``  inside ``pytest_torchperf.watch()`` checking only the two step
+  checks (so only their probes, ``_tensors``, ``syncs``, ``placement``, and
+  the Lightning observer are installed) and every step marked ``with
+  run.step():``, so the step checks apply to every operation;
+- ``B``  the same with the default ``watch()``: every default invariant
+  (the budget line: what a user pays for the defaults together);
+- ``C``  default ``watch()`` without ``run.step()``: the probes installed, no
+  step in scope (what code outside the steps pays).
+
+Each step is timed alone and a block's time is its median step (a step
+preempted by another process is an outlier the median ignores). Each round
+runs every variant ``--reps`` times, interleaved, in an order that rotates
+every time, and keeps each variant's median block; the ratios B/A, C/A and
+A'/A are taken per round. Reported: the median microseconds per step of
+each variant, and the median and spread (25th-75th percentile) of the
+per-round ratios. The first round is a warm-up and is dropped. Each block
+enters its ``watch()`` and runs a few untimed steps before its clock starts:
+installing the probes is a per-test cost, not a per-step one.
+
+Workloads:
+
+- ``op-bound-sgd``:  3-layer MLP, width 64, batch 32, SGD with momentum;
+- ``op-bound-adam``: the same with Adam (which reads its host ``step`` counter
+  with ``.item()`` once per parameter per step: inside a step, on every call);
+- ``compute-bound``: 3-layer MLP, width 512, batch 256, Adam.
+
+Every step moves its batch with ``.to(device)``, as a real loop does.
+
+    python benchmarks/bench_step_checks.py [--rounds 21] [--reps 3] [--workload all]
+
+Exit status 1 when a median S/A ratio is over its budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+BUDGETS = {"op-bound-sgd": 1.05, "op-bound-adam": 1.05, "compute-bound": 1.02}
+
+
+def build(kind: str) -> tuple[Callable[[], object], int]:
+    """The step function of a workload and how many steps make one timed block."""
+    import torch
+
+    torch.manual_seed(0)
+    if kind.startswith("op-bound"):
+        width, batch, steps = 64, 32, 100
+    else:
+        width, batch, steps = 512, 256, 3
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, 1),
+    )
+    if kind == "op-bound-sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width)
+    y = torch.randn(batch, 1)
+    device = torch.device("cpu")
+
+    def step() -> object:
+        xb, yb = x.to(device), y.to(device)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step, steps
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], statistics.median(values), q[2]
+
+
+def measure(kind: str, rounds: int, reps: int) -> dict[str, object]:
+    from pytest_torchperf import watch
+
+    step, n = build(kind)
+    warm = max(n // 20, 1)
+    for _ in range(max(n * 3, 20)):
+        step()
+
+    clock = time.perf_counter
+
+    def block(steps: object) -> float:
+        """The median time of one step over ``n`` steps, each timed alone (a step preempted by another
+        process is an outlier the median ignores)."""
+        for _ in range(warm):  # untimed: caches settle after the probes are (un)installed
+            next(steps)  # type: ignore[call-overload]
+        durations = []
+        for _ in range(n):
+            start = clock()
+            next(steps)  # type: ignore[call-overload]
+            durations.append(clock() - start)
+        return statistics.median(durations)
+
+    def plain_steps():  # type: ignore[no-untyped-def]
+        while True:
+            yield step()
+
+    def watched_steps(run):  # type: ignore[no-untyped-def]
+        while True:
+            with run.step():
+                step()
+            yield
+
+    def plain() -> float:
+        return block(plain_steps())
+
+    def watched() -> float:
+        with watch() as run:
+            return block(watched_steps(run))
+
+    def installed() -> float:
+        with watch():
+            return block(plain_steps())
+
+    def step_checks_only() -> float:
+        # Probes are installed for the invariants a run checks: these two alone.
+        with watch(no_iterator_reset=False, no_data_parallel=False) as run:
+            return block(watched_steps(run))
+
+    variants = {"A": plain, "A'": plain, "S": step_checks_only, "B": watched, "C": installed}
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds + 1):
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for rep in range(reps):
+            shift = (r + rep) % len(names)
+            for name in names[shift:] + names[:shift]:
+                samples[name].append(variants[name]())
+        if r == 0:
+            continue  # warm-up
+        for name in names:
+            times[name].append(statistics.median(samples[name]))
+    ratios = {
+        f"{name}/A": [b / a for b, a in zip(times[name], times["A"])] for name in ("S", "B", "C", "A'")
+    }
+    return {
+        "median_us": {name: statistics.median(v) * 1e6 for name, v in times.items()},
+        "ratios": {name: quartiles(v) for name, v in ratios.items()},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=21, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--reps", type=int, default=5, help="blocks per variant per round (their median is kept)")
+    parser.add_argument("--workload", choices=("all", *BUDGETS), default="all")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    workloads = list(BUDGETS) if args.workload == "all" else [args.workload]
+    print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds (+1 warm-up) x {args.reps} interleaved blocks per variant")
+    print()
+    header = (
+        f"{'workload':<15} {'A us':>8} {'S us':>8} {'B us':>8} {'C us':>8} "
+        f"{'S/A median [IQR]':>22} {'B/A median [IQR]':>22} {'C/A median [IQR]':>22} {'A/A median [IQR]':>22} {'budget':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    status = 0
+    AA = "A'/A"
+    for kind in workloads:
+        result = measure(kind, args.rounds, args.reps)
+        us = result["median_us"]
+        ratios = result["ratios"]
+
+        def fmt(name: str) -> str:
+            lo, mid, hi = ratios[name]  # type: ignore[index]
+            return f"{mid:.3f} [{lo:.3f}-{hi:.3f}]"
+
+        budget = BUDGETS[kind]
+        ok = ratios["S/A"][1] <= budget  # type: ignore[index]
+        status |= 0 if ok else 1
+        print(
+            f"{kind:<15} {us['A']:>8.1f} {us['S']:>8.1f} {us['B']:>8.1f} {us['C']:>8.1f} "  # type: ignore[index]
+            f"{fmt('S/A'):>22} {fmt('B/A'):>22} {fmt('C/A'):>22} {fmt(AA):>22} "
+            f"{'S <=' + str(budget):>8} {'ok' if ok else 'OVER'}"
+        )
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,278 @@
+"""What the DataLoader checks share: the loaders a run iterated, where each was made, which ones fed training.
+
+``min_workers`` and ``pin_memory`` judge the *training* DataLoaders, and
+``no_recompiles`` needs to know when a plain loop's first epoch ends. A run
+that needs any of that asks for its :class:`LoaderLog` (:func:`log_for`); the
+probe (installed once while any run is active, undone with it) fills the log
+of every active run that has one:
+
+- ``DataLoader.__init__``: the stack that built a loader, kept while a run is
+  active (a loader built before the run has no creation site; its first
+  ``iter()`` is shown instead);
+- ``DataLoader.__iter__``: a pass (an epoch) begins, labelled with the
+  Lightning stage that runs it (``epoch 1 (train)``, ``sanity check``) when a
+  Trainer call is running;
+- ``_BaseDataLoaderIter.__init__`` / ``__next__``: which loader an iterator
+  belongs to, and each batch it yields.
+
+A loader *feeds training* when Lightning iterates it in the training stage of
+a fit, or, in a plain loop, when a training step starts between two batches of
+one pass (``for x, y in loader: with run.step(): ...``); a validation loop run
+between epochs never does. Per batch the probe costs a dict lookup and a
+comparison per active run.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from .. import lightning
+from ..stacks import Stack, capture
+from ..watch import FLAGS, active_runs
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+    from ..watch import Run
+
+__all__ = ["LoaderRecord", "LoaderLog", "log_for", "install", "until_user_frame"]
+
+#: Loader -> the stack that built it (only loaders built while a run was active).
+_created: "weakref.WeakKeyDictionary[Any, Stack]" = weakref.WeakKeyDictionary()
+#: Iterator -> the loader it iterates.
+_loader_of: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+#: Run -> its log, for the runs whose checks asked for one.
+_logs: "weakref.WeakKeyDictionary[Run, LoaderLog]" = weakref.WeakKeyDictionary()
+
+#: Pass labels kept per loader (the rest are counted).
+_MAX_LABELS = 8
+
+
+def until_user_frame(stack: Stack) -> Stack:
+    """``stack`` cut after its innermost user frame, so the user's line is the site.
+
+    A loader built in ``train_dataloader()`` goes through Lightning's own
+    ``__init__`` wrapper; the line worth showing is the user's ``DataLoader(...)``.
+    """
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i].is_user:
+            return stack[: i + 1]
+    return stack
+
+
+class LoaderRecord:
+    """What one run saw of one DataLoader."""
+
+    def __init__(self, loader: Any) -> None:
+        self.ref = weakref.ref(loader)
+        self.loader_type = type(loader).__name__
+        self.dataset_type = type(getattr(loader, "dataset", None)).__name__
+        self.batch_size = getattr(loader, "batch_size", None)
+        self.num_workers = 0
+        self.pin_memory = False
+        self.created: Optional[Stack] = _created.get(loader)
+        self.first_iterated: Optional[Stack] = None
+        self.passes = 0
+        self.labels: list[str] = []
+        #: Iterated by Lightning in the training stage of a fit.
+        self.lightning_training = False
+        #: A training step started between two batches of one pass.
+        self.feeds_steps = False
+        #: Device type of the first batch's first tensor when it was not on the CPU ("cuda"...).
+        self.batch_device: Optional[str] = None
+        self._steps_at_batch: Optional[int] = None
+
+    @property
+    def training(self) -> bool:
+        return self.lightning_training or self.feeds_steps
+
+    @property
+    def site(self) -> Optional[Stack]:
+        """Where it was built, else where it was first iterated."""
+        return self.created if self.created is not None else self.first_iterated
+
+    def refresh(self, loader: Any) -> None:
+        """Read the attributes a check judges (``num_workers`` and ``pin_memory`` can change after ``__init__``)."""
+        self.num_workers = int(getattr(loader, "num_workers", 0) or 0)
+        self.pin_memory = bool(getattr(loader, "pin_memory", False))
+
+    def describe(self, **fields: Any) -> str:
+        """``DataLoader(dataset=RandomDataset, batch_size=8, num_workers=0)``."""
+        parts = [f"dataset={self.dataset_type}", f"batch_size={self.batch_size!r}"]
+        parts.extend(f"{name}={value!r}" for name, value in fields.items())
+        return f"{self.loader_type}({', '.join(parts)})"
+
+    def labels_text(self) -> str:
+        more = self.passes - len(self.labels)
+        return ", ".join(self.labels) + (f" and {more} more" if more > 0 else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "loader": self.describe(),
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory,
+            "passes": self.passes,
+            "training": self.training,
+        }
+
+
+class LoaderLog:
+    """The DataLoaders one run iterated."""
+
+    def __init__(self, run: "Run") -> None:
+        self.run = run
+        self.records: dict[int, LoaderRecord] = {}
+
+    def record(self, loader: Any) -> LoaderRecord:
+        rec = self.records.get(id(loader))
+        if rec is None or rec.ref() is not loader:
+            rec = self.records[id(loader)] = LoaderRecord(loader)
+            rec.refresh(loader)
+        return rec
+
+    def training_loaders(self) -> list[LoaderRecord]:
+        return [r for r in self.records.values() if r.training]
+
+    @property
+    def most_passes(self) -> int:
+        """Passes of the loader iterated most: 2 means some loader's second epoch has begun."""
+        return max((r.passes for r in self.records.values()), default=0)
+
+    # -- events ------------------------------------------------------------------------
+    def on_pass(self, loader: Any) -> None:
+        rec = self.record(loader)
+        rec.refresh(loader)
+        rec.passes += 1
+        rec._steps_at_batch = None
+        if rec.first_iterated is None:
+            rec.first_iterated = capture(3)
+        trainer = lightning.current_trainer()
+        call = lightning.current_call()
+        stage = lightning.stage_label()
+        if stage is not None:
+            label, sanity = stage
+            if not sanity and call is not None and call.kind == "fit" and getattr(trainer, "training", False):
+                rec.lightning_training = True
+        else:
+            label = f"pass {rec.passes}"
+        if len(rec.labels) < _MAX_LABELS:
+            rec.labels.append(label)
+
+    def on_batch(self, loader: Any, batch: Any, done: bool) -> None:
+        rec = self.records.get(id(loader))
+        if rec is None or rec.ref() is not loader:
+            rec = self.record(loader)  # an iterator started before the run began
+        steps = self.run.steps
+        if rec._steps_at_batch is not None and steps > rec._steps_at_batch:
+            rec.feeds_steps = True
+        if done:
+            rec._steps_at_batch = None
+            return
+        if rec._steps_at_batch is None and rec.batch_device is None:
+            rec.batch_device = _device_type(batch)
+        rec._steps_at_batch = steps
+
+
+def log_for(run: "Run") -> LoaderLog:
+    """The run's log, created on first request (checks ask in their ``__init__``)."""
+    log = _logs.get(run)
+    if log is None:
+        log = _logs[run] = LoaderLog(run)
+    return log
+
+
+def _device_type(batch: Any, depth: int = 0) -> Optional[str]:
+    """The device type of the batch's first tensor when it is not the CPU, else None."""
+    device = getattr(batch, "device", None)
+    if device is not None:
+        kind = getattr(device, "type", None)
+        return kind if kind not in (None, "cpu") else None
+    if depth < 3:
+        if isinstance(batch, dict):
+            batch = list(batch.values())
+        if isinstance(batch, (list, tuple)):
+            for item in batch[:4]:
+                kind = _device_type(item, depth + 1)
+                if kind is not None:
+                    return kind
+    return None
+
+
+def _active_logs() -> list[LoaderLog]:
+    if not _logs:
+        return []
+    out = []
+    for run in active_runs():
+        log = _logs.get(run)
+        if log is not None and run.active:
+            out.append(log)
+    return out
+
+
+# -- probe -----------------------------------------------------------------------------
+
+
+def install(patcher: "Patcher") -> None:
+    """Patch the DataLoader machinery for the active runs' logs; undone by ``patcher``."""
+    from torch.utils.data import dataloader as dl
+
+    flags = FLAGS
+
+    def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)  # keeps the signature Lightning inspects to re-instantiate loaders
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            __tracebackhide__ = True
+            original(self, *args, **kwargs)
+            if flags.active and _logs:
+                _created[self] = until_user_frame(capture(2))
+
+        return __init__
+
+    def wrap_iter(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def __iter__(self: Any) -> Any:
+            __tracebackhide__ = True
+            for log in _active_logs():
+                log.on_pass(self)
+            return original(self)
+
+        return __iter__
+
+    def wrap_iterator_init(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
+            __tracebackhide__ = True
+            original(self, loader, *args, **kwargs)
+            if flags.active:
+                _loader_of[self] = loader
+
+        return __init__
+
+    def wrap_next(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def __next__(self: Any) -> Any:
+            __tracebackhide__ = True
+            if not (flags.active and _logs):
+                return original(self)
+            loader = _loader_of.get(self)
+            try:
+                batch = original(self)
+            except StopIteration:
+                if loader is not None:
+                    for log in _active_logs():
+                        log.on_batch(loader, None, done=True)
+                raise
+            if loader is not None:
+                for log in _active_logs():
+                    log.on_batch(loader, batch, done=False)
+            return batch
+
+        return __next__
+
+    patcher.wrap(dl.DataLoader, "__init__", wrap_init)
+    patcher.wrap(dl.DataLoader, "__iter__", wrap_iter)
+    patcher.wrap(dl._BaseDataLoaderIter, "__init__", wrap_iterator_init)
+    patcher.wrap(dl._BaseDataLoaderIter, "__next__", wrap_next)
+    patcher.callback(_created.clear)
+    patcher.callback(_loader_of.clear)

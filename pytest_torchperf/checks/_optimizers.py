@@ -1,0 +1,88 @@
+"""Optimizer steps, for the checks that judge the training itself rather than one line of it.
+
+``pin_memory`` and ``mixed_precision`` need to know what the run trained and
+where (an optimizer stepping parameters on a CUDA device is a CUDA run,
+whatever the machine has); ``grads_set_to_none`` looks at the gradients each
+step consumed. One global optimizer step *post*-hook
+(``torch.optim.optimizer.register_optimizer_step_post_hook``, called by every
+``Optimizer.step``, Lightning's included) calls ``on_optimizer_step(optimizer)``
+on the checks of every active run that define it; it is removed when the last
+run ends. A post-hook, because Lightning runs the forward and backward inside
+``optimizer.step(closure)``: only after the step has the step's work happened.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ..watch import FLAGS, active_runs
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+
+__all__ = ["install", "parameters", "placement"]
+
+#: Optimizer -> (key, device types, dtypes) of its parameters; see :func:`placement`.
+_placements: "weakref.WeakKeyDictionary[Any, tuple[tuple, frozenset, frozenset]]" = weakref.WeakKeyDictionary()
+
+
+def parameters(optimizer: Any) -> list[Any]:
+    """The optimizer's parameters, in ``param_groups`` order."""
+    return [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
+
+
+def placement(optimizer: Any) -> tuple[frozenset, frozenset]:
+    """``({"cuda"}, {"float32"})``: device types and dtypes of the optimizer's parameters.
+
+    Cached per optimizer while its group count, its first group's size and
+    its first parameter's device and dtype stay the same (a module moved after
+    the optimizer was built keeps its Parameter objects, so the device is part
+    of the key).
+    """
+    groups = getattr(optimizer, "param_groups", None) or ()
+    first_group = groups[0].get("params") if groups else None
+    if first_group:
+        first = first_group[0]
+        key: tuple = (len(groups), len(first_group), first.device, first.dtype)
+    else:
+        key = (len(groups),)
+    cached = _placements.get(optimizer)
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
+    params = parameters(optimizer)
+    devices = frozenset(p.device.type for p in params)
+    dtypes = frozenset(str(p.dtype).replace("torch.", "") for p in params)
+    try:
+        _placements[optimizer] = (key, devices, dtypes)
+    except TypeError:  # pragma: no cover - an optimizer that cannot be weakly referenced
+        pass
+    return devices, dtypes
+
+
+def install(patcher: "Patcher") -> None:
+    """Register the step post-hook for the active runs; removed by ``patcher``."""
+    import importlib
+
+    try:
+        module = importlib.import_module("torch.optim.optimizer")
+    except ImportError:  # pragma: no cover
+        return
+    register = getattr(module, "register_optimizer_step_post_hook", None)
+    if register is None:  # pragma: no cover - torch < 2.0
+        return
+    flags = FLAGS
+
+    def on_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not flags.active:
+            return
+        for run in active_runs():
+            if run.active:
+                for check in run.checks.values():
+                    hook = getattr(check, "on_optimizer_step", None)
+                    if hook is not None:
+                        hook(optimizer)
+
+    handle = register(on_step)
+    patcher.callback(handle.remove)
+    patcher.callback(_placements.clear)

@@ -1,0 +1,197 @@
+"""Invariant ``no_data_parallel``: no ``torch.nn.DataParallel`` in the run.
+
+``DataParallel`` drives every GPU from one Python process: on each forward it
+copies the module's parameters to every device, scatters the batch, runs the
+replicas in threads (under the GIL) and gathers the outputs on the first GPU,
+where the loss and all gradients are reduced. ``DistributedDataParallel`` runs
+one process per GPU and only all-reduces gradients, overlapped with the
+backward pass; PyTorch recommends it even on a single machine, and Lightning 2
+dropped its ``"dp"`` strategy.
+
+Seen three ways while a run is active, so it is caught on a CPU-only machine
+(where ``DataParallel`` just calls the module):
+
+- ``DataParallel.forward`` is wrapped: every forward pass of any instance is
+  counted (a Lightning 1.x ``"dp"`` strategy's wrapper included), with the line
+  that called it;
+- ``DataParallel.__init__`` is wrapped: an instance built during the run has
+  its creation site;
+- at each Lightning Trainer call the model's modules are scanned
+  (``isinstance``), and the strategy is named when it is Lightning 1.x's
+  ``DataParallelStrategy`` / ``DataParallelPlugin``.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ..report import FAILED, PASSED, CheckResult, Finding, Site
+from ..stacks import Stack, capture
+from ..watch import FLAGS, active_runs
+from ._loaders import until_user_frame
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+    from ..watch import Run
+
+NAME = "no_data_parallel"
+
+#: Lightning 1.x strategy (1.6-1.9) and training-type plugin (1.5) classes that wrap the model in DataParallel.
+_DP_STRATEGIES = ("DataParallelStrategy", "DataParallelPlugin")
+
+_created: "weakref.WeakKeyDictionary[Any, Stack]" = weakref.WeakKeyDictionary()
+
+
+class _Instance:
+    def __init__(self, module: Any) -> None:
+        self.ref = weakref.ref(module)
+        inner = getattr(module, "module", None)
+        self.description = f"{type(module).__name__}({type(inner).__name__})"
+        self.device_ids = list(getattr(module, "device_ids", None) or [])
+        self.created: Optional[Stack] = _created.get(module)
+        self.forwards = 0
+        self.first_forward: Optional[Stack] = None
+        self.in_model: Optional[str] = None  # "submodule 'net' of Regressor" when found in a Trainer's model
+
+
+class DataParallelCheck:
+    """Per-run state and verdict of ``no_data_parallel``."""
+
+    name = NAME
+
+    def __init__(self, run: "Run") -> None:
+        self.run = run
+        self._instances: dict[int, _Instance] = {}
+        self.strategies: list[str] = []
+
+    def _record(self, module: Any) -> _Instance:
+        rec = self._instances.get(id(module))
+        if rec is None or rec.ref() is not module:
+            rec = self._instances[id(module)] = _Instance(module)
+        return rec
+
+    # -- events ------------------------------------------------------------------------
+    def on_forward(self, module: Any, stack: Callable[[], Stack]) -> None:
+        rec = self._record(module)
+        rec.forwards += 1
+        if rec.first_forward is None:
+            rec.first_forward = stack()
+
+    def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
+        strategy = getattr(trainer, "strategy", None) or getattr(trainer, "training_type_plugin", None)
+        name = type(strategy).__name__
+        if name in _DP_STRATEGIES and name not in self.strategies:
+            self.strategies.append(name)
+        if model is None or not hasattr(model, "named_modules"):
+            return
+        import torch
+
+        for path, module in model.named_modules():
+            if isinstance(module, torch.nn.DataParallel):
+                rec = self._record(module)
+                if rec.in_model is None:
+                    where = f"submodule '{path}' of" if path else "the model passed to"
+                    rec.in_model = f"{where} {type(model).__name__} (Trainer.{kind})"
+
+    # -- verdict ---------------------------------------------------------------------
+    def _finding(self, rec: _Instance) -> Finding:
+        ran = f"ran {rec.forwards} forward pass{'es' if rec.forwards != 1 else ''}" if rec.forwards else "is in the model"
+        title = f"torch.nn.{rec.description} {ran}"
+        facts = []
+        if rec.in_model:
+            facts.append(f"found as {rec.in_model}")
+        if rec.device_ids:
+            facts.append(f"device_ids={rec.device_ids}: each forward copies the parameters to every device")
+        else:
+            facts.append(
+                "no GPU on this machine, so here it just calls the module; with GPUs it replicates "
+                "the model and scatters/gathers every batch from one process"
+            )
+        sites = []
+        if rec.created is not None:
+            sites.append(Site("created", rec.created))
+        if rec.first_forward is not None:
+            sites.append(Site("forward called", rec.first_forward, max(rec.forwards, 1)))
+        hint = (
+            "use DistributedDataParallel, one process per GPU (Lightning: Trainer(strategy='ddp'); plain "
+            "PyTorch: torch.nn.parallel.DistributedDataParallel launched with torchrun), and drop the "
+            "DataParallel wrapper."
+        )
+        return Finding(title, facts, sites, hint)
+
+    def result(self) -> CheckResult:
+        instances = list(self._instances.values())
+        forwards = sum(r.forwards for r in instances)
+        figures: dict[str, Any] = {
+            "data_parallel_modules": len(instances),
+            "forward_calls": forwards,
+            "lightning_strategy": self.strategies[0] if self.strategies else None,
+            "modules": [
+                {"module": r.description, "forward_calls": r.forwards, "device_ids": r.device_ids}
+                for r in instances
+            ],
+        }
+        findings = [self._finding(r) for r in instances]
+        for name in self.strategies:
+            findings.insert(
+                0,
+                Finding(
+                    f"the Trainer runs Lightning's {name} (strategy='dp')",
+                    ["it wraps the LightningModule in DataParallel on every fit"],
+                    [],
+                    "use Trainer(strategy='ddp') (one process per GPU).",
+                ),
+            )
+        if findings:
+            count = len(instances) or len(self.strategies)
+            noun = "module" if count == 1 else "modules"
+            summary = f"{count} DataParallel {noun}, {forwards} forward pass{'es' if forwards != 1 else ''}"
+            return CheckResult(NAME, FAILED, summary, count, findings, figures)
+        return CheckResult(NAME, PASSED, "no DataParallel in the run", 0, [], figures)
+
+
+# -- probe ------------------------------------------------------------------------
+
+
+def install(patcher: "Patcher") -> None:
+    """Wrap ``DataParallel.__init__`` and ``forward`` for the active runs; undone by ``patcher``."""
+    import torch
+
+    flags = FLAGS
+    dp = torch.nn.DataParallel
+
+    def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            __tracebackhide__ = True
+            original(self, *args, **kwargs)
+            if flags.active:
+                _created[self] = until_user_frame(capture(2))
+
+        return __init__
+
+    def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            if flags.active:
+                stack: list[Stack] = []
+
+                def lazy() -> Stack:
+                    if not stack:
+                        stack.append(capture(3))
+                    return stack[0]
+
+                for run in active_runs():
+                    check = run.checks.get(NAME) if run.active else None
+                    if check is not None:
+                        check.on_forward(self, lazy)  # type: ignore[attr-defined]
+            return original(self, *args, **kwargs)
+
+        return forward
+
+    patcher.wrap(dp, "__init__", wrap_init)
+    patcher.wrap(dp, "forward", wrap_forward)
+    patcher.callback(_created.clear)

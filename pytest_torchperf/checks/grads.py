@@ -1,0 +1,301 @@
+"""Invariant ``grads_set_to_none``: gradients are cleared by setting them to None, not by writing zeros.
+
+``optimizer.zero_grad()`` sets every ``.grad`` to None (the default since torch
+2.0): the next backward allocates each gradient and *writes* it. Zeroing in
+place (``zero_grad(set_to_none=False)``, ``p.grad.zero_()``) costs a memset per
+parameter per step, then makes the backward *accumulate* (read + add + write)
+into the zeros, and keeps the gradients' memory alive between steps.
+
+Three probes while a run is active (the whole run: Lightning zeroes gradients
+outside ``training_step``, so ``scope`` does not narrow this check):
+
+- ``Optimizer.zero_grad`` and ``Module.zero_grad`` are wrapped: a call with
+  ``set_to_none=False`` is recorded with its stack;
+- ``Tensor.zero_`` is wrapped: zeroing a tensor that is (or aliases, like
+  ``p.grad.data``) the current gradient of a parameter some optimizer stepped
+  is recorded. The gradients of the parameters every optimizer stepped are
+  indexed by storage address, lazily: at the first ``zero_`` call after each
+  optimizer step (so a program that never calls ``zero_`` pays nothing), and a
+  hit is confirmed against the parameter's current ``.grad``;
+- the optimizer step hook (:mod:`._optimizers`) compares each parameter's
+  gradient with the one the previous step of that optimizer consumed: the
+  *same tensor object* means it was never set to None in between (zeroed in
+  place by any means, or never cleared), even where no call above was seen
+  (``p.grad.mul_(0)``, an optimizer overriding ``zero_grad``).
+
+Correct programs that keep gradients on purpose (CUDA graph capture needs
+static ``.grad`` tensors; DDP with ``gradient_as_bucket_view=True`` reuses
+them) should leave this invariant off.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
+from ..stacks import Stack, capture
+from ..watch import FLAGS, active_runs
+from . import _optimizers
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+    from ..watch import Run
+
+NAME = "grads_set_to_none"
+
+ZERO_GRAD = "zero_grad"
+MANUAL = "manual"
+
+#: Gradient storage address -> (parameter, gradient shape), rebuilt lazily (see ``_index``).
+_grad_owners: "dict[int, tuple[weakref.ref, tuple]]" = {}
+#: The optimizers that stepped while a run checked this invariant.
+_optimizers_seen: "weakref.WeakSet[Any]" = weakref.WeakSet()
+#: [optimizer steps seen, steps when ``_grad_owners`` was last built].
+_generation = [0, -1]
+#: > 0 inside a wrapped zero_grad (its own in-place zeroing is that call's, not a manual one).
+_inside_zero_grad = [0]
+
+
+class GradsCheck:
+    """Per-run state and verdict of ``grads_set_to_none``."""
+
+    name = NAME
+
+    def __init__(self, run: "Run") -> None:
+        self.run = run
+        self.events: dict[str, list[Site]] = {ZERO_GRAD: [], MANUAL: []}
+        self.shapes: set[str] = set()
+        self.optimizer_steps = 0
+        self.steps_reusing_grads = 0
+        self.most_reused = 0
+        self._first_reuse: Optional[Stack] = None
+        self._previous: "weakref.WeakKeyDictionary[Any, list[Optional[weakref.ref]]]" = weakref.WeakKeyDictionary()
+
+    # -- events ------------------------------------------------------------------------
+    def on_zero_grad(self, owner: str, stack: Stack) -> None:
+        self.events[ZERO_GRAD].append(Site(f"{owner}.zero_grad(set_to_none=False)", stack))
+
+    def on_grad_zeroed(self, shape: tuple, stack: Stack) -> None:
+        self.events[MANUAL].append(Site("parameter gradient zeroed in place", stack))
+        self.shapes.add("x".join(str(d) for d in shape) or "scalar")
+
+    def on_optimizer_step(self, optimizer: Any) -> None:
+        self.optimizer_steps += 1
+        params = _optimizers.parameters(optimizer)
+        previous = self._previous.get(optimizer)
+        current: list[Optional[weakref.ref]] = []
+        reused = 0
+        for i, p in enumerate(params):
+            grad = p.grad
+            if grad is None:
+                current.append(None)
+                continue
+            if previous is not None and i < len(previous):
+                ref = previous[i]
+                if ref is not None and ref() is grad:
+                    reused += 1
+            current.append(weakref.ref(grad))
+        try:
+            self._previous[optimizer] = current
+        except TypeError:  # pragma: no cover - an optimizer that cannot be weakly referenced
+            pass
+        if reused:
+            self.steps_reusing_grads += 1
+            self.most_reused = max(self.most_reused, reused)
+            if self._first_reuse is None:
+                self._first_reuse = capture(2)
+
+    # -- verdict ---------------------------------------------------------------------
+    def result(self) -> CheckResult:
+        zero_grads = merge_sites(self.events[ZERO_GRAD])
+        manual = merge_sites(self.events[MANUAL])
+        n_zero_grad = sum(s.count for s in zero_grads)
+        n_manual = sum(s.count for s in manual)
+        figures: dict[str, Any] = {
+            "optimizer_steps": self.optimizer_steps,
+            "steps_reusing_grads": self.steps_reusing_grads,
+            "most_grads_reused_in_a_step": self.most_reused,
+            "zero_grad_set_to_none_false": n_zero_grad,
+            "grads_zeroed_in_place": n_manual,
+        }
+        findings = []
+        reuse_fact = (
+            f"gradients were reused (zeroed in place, not freed) in {self.steps_reusing_grads} of "
+            f"{self.optimizer_steps} optimizer steps, up to {self.most_reused} parameters per step"
+        )
+        if zero_grads:
+            facts = [reuse_fact] if self.steps_reusing_grads else []
+            findings.append(
+                Finding(
+                    f"zero_grad(set_to_none=False) called {n_zero_grad} time{'s' if n_zero_grad != 1 else ''}",
+                    facts,
+                    zero_grads,
+                    "call zero_grad() with the default set_to_none=True: the gradients are freed and the next "
+                    "backward writes them afresh instead of adding into zeros (Lightning: drop the "
+                    "set_to_none=False from your optimizer_zero_grad override, or the override itself).",
+                )
+            )
+        if manual:
+            facts = [f"gradient shapes: {', '.join(sorted(self.shapes)[:8])}"]
+            if self.steps_reusing_grads and not zero_grads:
+                facts.append(reuse_fact)
+            findings.append(
+                Finding(
+                    f".grad.zero_() called {n_manual} time{'s' if n_manual != 1 else ''} on parameter gradients",
+                    facts,
+                    manual,
+                    "replace the loop that zeroes each p.grad by optimizer.zero_grad() (or "
+                    "model.zero_grad()), which sets the gradients to None.",
+                )
+            )
+        if not findings and self.steps_reusing_grads:
+            sites = [Site("optimizer step with reused gradients", self._first_reuse)] if self._first_reuse else []
+            findings.append(
+                Finding(
+                    f"the same gradient tensors were consumed by {self.steps_reusing_grads} of "
+                    f"{self.optimizer_steps} optimizer steps",
+                    [
+                        f"up to {self.most_reused} parameters per step kept their .grad tensor from the previous "
+                        "step: it was zeroed in place by code torchperf did not see (p.grad.mul_(0), "
+                        "p.grad[:] = 0, an optimizer overriding zero_grad) or never cleared",
+                    ],
+                    sites,
+                    "clear gradients with optimizer.zero_grad() (set_to_none=True) between steps.",
+                )
+            )
+        if findings:
+            count = n_zero_grad + n_manual or self.steps_reusing_grads
+            parts = []
+            if n_zero_grad:
+                parts.append(f"{n_zero_grad} zero_grad(set_to_none=False)")
+            if n_manual:
+                parts.append(f"{n_manual} .grad.zero_()")
+            if not parts:
+                parts.append(f"gradients reused in {self.steps_reusing_grads} optimizer steps")
+            return CheckResult(NAME, FAILED, ", ".join(parts), count, findings, figures)
+        if not self.optimizer_steps:
+            summary = "no optimizer step in the run; no gradient zeroed in place"
+        else:
+            summary = f"{self.optimizer_steps} optimizer steps, gradients set to None between them"
+        return CheckResult(NAME, PASSED, summary, 0, [], figures)
+
+
+def _checks() -> list[GradsCheck]:
+    out = []
+    for run in active_runs():
+        check = run.checks.get(NAME) if run.active else None
+        if check is not None:
+            out.append(check)  # type: ignore[arg-type]
+    return out
+
+
+# -- probe ------------------------------------------------------------------------
+
+
+def _index() -> "dict[int, tuple[weakref.ref, tuple]]":
+    """The gradient index, rebuilt once per optimizer step, when a ``zero_`` call first needs it."""
+    if _generation[1] != _generation[0]:
+        _generation[1] = _generation[0]
+        _grad_owners.clear()
+        for optimizer in list(_optimizers_seen):
+            for p in _optimizers.parameters(optimizer):
+                grad = p.grad
+                if grad is not None and grad.layout is _strided[0]:
+                    ptr = grad.data_ptr()
+                    if ptr:
+                        _grad_owners[ptr] = (weakref.ref(p), tuple(grad.shape))
+    return _grad_owners
+
+
+_strided: list[Any] = [None]
+
+
+def _is_compiling_function() -> Callable[[], bool]:
+    import torch
+
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if fn is None:  # pragma: no cover - torch < 2.3
+        fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return fn or (lambda: False)
+
+
+def install(patcher: "Patcher") -> None:
+    """Wrap the zeroing calls and index gradients for the active runs; undone by ``patcher``."""
+    import importlib
+
+    import torch
+
+    flags = FLAGS
+    is_compiling = _is_compiling_function()
+    inside = _inside_zero_grad
+    _strided[0] = torch.strided
+
+    def wrap_zero_grad(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            if not is_compiling() and flags.active:
+                set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+                if not set_to_none:
+                    checks = _checks()
+                    if checks:
+                        stack = capture(2)
+                        for check in checks:
+                            check.on_zero_grad(type(self).__name__, stack)
+            inside[0] += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                inside[0] -= 1
+
+        return zero_grad
+
+    def wrap_zero_(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def zero_(self: Any) -> Any:
+            # is_compiling() first: under torch.compile this wrapper is traced, and reading the
+            # flags would make the compiled code guard on torchperf's state.
+            if not is_compiling() and flags.active and _optimizers_seen and not inside[0]:
+                try:
+                    ptr = self.data_ptr()
+                except Exception:  # tensors without storage (sparse, meta, subclasses)
+                    ptr = 0
+                owner = _index().get(ptr) if ptr else None
+                if owner is not None:
+                    param = owner[0]()
+                    grad = getattr(param, "grad", None)
+                    if grad is not None and grad.data_ptr() == ptr:
+                        checks = _checks()
+                        if checks:
+                            stack = capture(2)
+                            for check in checks:
+                                check.on_grad_zeroed(owner[1], stack)
+            return original(self)
+
+        return zero_
+
+    try:
+        optimizer_module = importlib.import_module("torch.optim.optimizer")
+        register = getattr(optimizer_module, "register_optimizer_step_post_hook", None)
+    except ImportError:  # pragma: no cover
+        register = None
+    if register is not None:
+
+        def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:  # a step post-hook
+            """Remember the optimizer and invalidate the gradient index (only while a run checks this)."""
+            if flags.active and _checks():
+                _generation[0] += 1
+                if optimizer not in _optimizers_seen:
+                    _optimizers_seen.add(optimizer)
+
+        handle = register(stepped)
+        patcher.callback(handle.remove)
+
+    patcher.wrap(torch.optim.Optimizer, "zero_grad", wrap_zero_grad)
+    patcher.wrap(torch.nn.Module, "zero_grad", wrap_zero_grad)
+    patcher.wrap(torch.Tensor, "zero_", wrap_zero_)
+    patcher.callback(_grad_owners.clear)
+    patcher.callback(_optimizers_seen.clear)
+    patcher.callback(lambda: _generation.__setitem__(slice(None), [0, -1]))

@@ -1,0 +1,393 @@
+"""Invariant ``no_recompiles``: ``torch.compile``'d code is not compiled again after warm-up.
+
+Dynamo specialises compiled code on *guards* (tensor shapes and dtypes, grad
+mode, ``module.training``, the values of Python ints and floats it read...).
+When a guard fails it compiles the function again: seconds with inductor, every
+time. After ``torch._dynamo.config.recompile_limit`` (8) compiles of one
+function it gives up and runs that function uncompiled for the rest of the
+process, silently.
+
+Some recompiles are warm-up: the first validation (eval mode, no grad), the
+last, smaller batch of the first epoch (after which dynamo compiles a
+dynamic-shape version). So recompiles only count after **warm-up, the first
+epoch**: in a Lightning fit, epoch 0 (with its sanity check and validation); a
+``validate``/``test``/``predict`` call is warm-up from start to end; outside
+Lightning, everything until some DataLoader starts its second pass, or, with
+no DataLoader, the first training step. ``recompile_warmup_steps=N`` replaces
+that with "the first N training steps". Hitting the recompile limit fails the
+check whenever it happens.
+
+The probe patches two functions in ``torch._dynamo.convert_frame`` while a
+run is active (patched when dynamo is first imported if that happens during
+the run): ``get_and_maybe_log_recompilation_reasons``, called on every
+recompile with the failing guards (the same text ``TORCH_LOGS=recompiles``
+prints), and ``exceeds_recompile_limit``. Compiles are counted with dynamo's
+compile-start callback. Nothing changes dynamo's behaviour or logging; the
+backend does not matter (``backend="eager"`` works on CPU). The call site is
+the innermost frame outside torch when the compiled function was called.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import re
+import sys
+from dataclasses import dataclass
+from types import CodeType
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from .. import lightning
+from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site, merge_sites
+from ..stacks import Stack, capture, display_path
+from ..watch import FLAGS, active_runs
+from ._loaders import log_for
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+    from ..watch import Run
+
+NAME = "no_recompiles"
+_CONVERT_FRAME = "torch._dynamo.convert_frame"
+#: Names across torch versions (newest first).
+_REASONS = ("get_and_maybe_log_recompilation_reasons", "get_and_maybe_log_recompilation_reason")
+_LIMITS = ("exceeds_recompile_limit", "exceeds_cache_size_limit")
+
+#: Whether the probe could attach to this torch's dynamo: None until dynamo is seen.
+_attached: list[Optional[bool]] = [None]
+
+_COMPILE_ID = re.compile(r"^\s*\[?\d+/\d+\]?\s*:\s*")
+_HINT = re.compile(r"\s*\(HINT:\s*(?P<hint>.*)\)\s*$")
+_SOURCE = re.compile(r"\s+#\s+")
+
+
+@dataclass
+class _Recompile:
+    code: CodeType
+    guard: str
+    source: str
+    hint: str
+    stack: Stack
+    warm: bool
+    label: str
+    limit: Optional[str] = None
+
+
+def parse_reason(reason: str) -> tuple[str, str, str]:
+    """``(guard, source line, dynamo's hint)`` from one of dynamo's guard failure reasons.
+
+    ``"0/7: s.counter == 5   # return x * s.counter  # m.py:26 in forward (HINT: ...)"``
+    gives ``("s.counter == 5", "return x * s.counter", "...")``.
+    """
+    lines = reason.strip().splitlines()
+    first = _COMPILE_ID.sub("", lines[0]) if lines else ""
+    hint = ""
+    match = _HINT.search(first)
+    if match:
+        hint = match.group("hint").strip()
+        first = first[: match.start()]
+    parts = _SOURCE.split(first.strip())
+    guard = parts[0].strip()
+    source = parts[1].strip() if len(parts) > 2 else ""
+    return guard, source, hint
+
+
+def _telling(reasons: list[str]) -> str:
+    """The reason that explains the recompile: dynamo gives one per cached version of the function.
+
+    A version compiled under another grad mode (or autocast state) fails on
+    ``GLOBAL_STATE changed``: true, but it only says why the *other mode's*
+    version does not fit. The first reason of another kind names the guard
+    that broke the matching version (``self.level == 0``).
+    """
+    for reason in reasons:
+        if "GLOBAL_STATE changed" not in reason:
+            return reason
+    return reasons[0]
+
+
+def _function(code: CodeType) -> str:
+    return f"{code.co_name} ({display_path(code.co_filename)}:{code.co_firstlineno})"
+
+
+class RecompileCheck:
+    """Per-run state and verdict of ``no_recompiles``."""
+
+    name = NAME
+
+    def __init__(self, run: "Run") -> None:
+        self.run = run
+        self.log = log_for(run)
+        self.compiles = 0
+        self.recompiles: list[_Recompile] = []
+
+    def _phase(self) -> tuple[bool, str]:
+        """(still warming up, where the run is) for an event happening now."""
+        steps = self.run.steps
+        limit = self.run.options.recompile_warmup_steps
+        if limit is not None:
+            return steps <= limit, f"step {steps}"
+        call = lightning.current_call()
+        stage = lightning.stage_label()
+        if call is not None and stage is not None:
+            if call.kind != "fit":
+                return True, f"Trainer.{call.kind}"
+            epoch = getattr(call.trainer, "current_epoch", 0) or 0
+            return epoch < 1, stage[0]
+        passes = self.log.most_passes
+        if passes:
+            return passes < 2, f"epoch {passes - 1} (step {steps})"
+        return steps <= 1, f"step {steps}"
+
+    # -- events ----------------------------------------------------------------------
+    def on_compile(self) -> None:
+        self.compiles += 1
+
+    def on_recompile(self, code: CodeType, reasons: list[str], stack: Stack) -> None:
+        guard, source, hint = parse_reason(_telling(reasons)) if reasons else ("(dynamo gave no reason)", "", "")
+        warm, label = self._phase()
+        self.recompiles.append(_Recompile(code, guard, source, hint, stack, warm, label))
+
+    def on_limit(self, limit: str) -> None:
+        if self.recompiles:
+            self.recompiles[-1].limit = limit
+
+    # -- verdict ---------------------------------------------------------------------
+    def _warmup_text(self) -> str:
+        limit = self.run.options.recompile_warmup_steps
+        if limit is not None:
+            return f"the first {limit} training steps"
+        return "the first epoch"
+
+    def _finding(self, events: list[_Recompile]) -> Finding:
+        code = events[0].code
+        compiled = [e for e in events if not e.limit]  # the attempt that hit the limit compiled nothing
+        after = [e for e in compiled if not e.warm]
+        limits = [e.limit for e in events if e.limit]
+        parts = []
+        if after:
+            parts.append(f"was compiled again {len(after)} time{'s' if len(after) != 1 else ''} after warm-up")
+        if limits:
+            parts.append(
+                f"hit torch._dynamo.config.{limits[0]} ({_limit_value(limits[0])}) after {len(compiled)} "
+                "recompiles: it runs uncompiled from then on"
+            )
+        title = f"{_function(code)} " + ", then ".join(parts)
+        shown = after or events
+        facts = [f"recompiled in: {_labels(shown)}"]
+        guards: list[str] = []
+        for e in reversed(shown):
+            text = e.guard + (f"   ({e.source})" if e.source else "")
+            if text not in guards:
+                guards.append(text)
+        for text in guards[:3]:
+            facts.append(f"guard that failed: {text}")
+        if len(guards) > 3:
+            facts.append(f"... {len(guards) - 3} more distinct guards")
+        warm = len(compiled) - len(after)
+        if warm and after:
+            facts.append(f"{warm} more during warm-up ({self._warmup_text()}), not counted")
+        sites = merge_sites([Site("compiled function called", e.stack) for e in shown])
+        dynamo_hint = next((e.hint for e in reversed(shown) if e.hint), "")
+        hint = (
+            "each failed guard is a value the compiled code was specialised on. Pass changing numbers as "
+            "tensors (not Python ints/floats or module attributes), keep shapes fixed (drop_last=True) or mark "
+            "them dynamic (torch._dynamo.mark_dynamic), and keep train/eval switches out of the steady state; "
+            "TORCH_LOGS=recompiles shows every recompile."
+        )
+        if dynamo_hint:
+            hint = f"dynamo says: {dynamo_hint} " + hint[0].upper() + hint[1:]
+        return Finding(title, facts, sites, hint)
+
+    def result(self) -> CheckResult:
+        after = [e for e in self.recompiles if not e.warm and not e.limit]
+        limits = [e for e in self.recompiles if e.limit]
+        by_function: dict[tuple, list[_Recompile]] = {}
+        for e in self.recompiles:
+            key = (e.code.co_filename, e.code.co_firstlineno, e.code.co_name)
+            by_function.setdefault(key, []).append(e)
+        figures: dict[str, Any] = {
+            "compiles": self.compiles,
+            "recompiles": len(self.recompiles) - len(limits),
+            "recompiles_in_warmup": len(self.recompiles) - len(limits) - len(after),
+            "recompiles_after_warmup": len(after),
+            "recompile_limit_hits": len(limits),
+            "warmup": self._warmup_text(),
+            "functions": [
+                {
+                    "function": _function(events[0].code),
+                    "recompiles": sum(1 for e in events if not e.limit),
+                    "after_warmup": sum(1 for e in events if not e.warm and not e.limit),
+                    "guards": sorted({e.guard for e in events})[:10],
+                    "limit_hit": any(e.limit for e in events),
+                }
+                for events in by_function.values()
+            ],
+        }
+        if _attached[0] is False:
+            return CheckResult(
+                NAME,
+                NOT_CHECKED,
+                "this torch version's dynamo has no recompilation hook torchperf knows",
+                figures=figures,
+            )
+        bad = [events for events in by_function.values() if any(not e.warm or e.limit for e in events)]
+        compiled = [e for e in self.recompiles if not e.limit]
+        if bad:
+            findings = [self._finding(events) for events in bad]
+            parts = [f"{len(after)} recompile{'s' if len(after) != 1 else ''} after warm-up"] if after else []
+            if limits:
+                parts.append(f"{len(limits)} recompile limit hit{'s' if len(limits) != 1 else ''}")
+            return CheckResult(NAME, FAILED, ", ".join(parts), len(after) + len(limits), findings, figures)
+        if not self.compiles and not self.recompiles:
+            summary = "no torch.compile compilation during the run"
+        else:
+            summary = f"{self.compiles} compile{'s' if self.compiles != 1 else ''}, no recompile after warm-up"
+            if compiled:
+                summary += f" ({len(compiled)} during warm-up)"
+        return CheckResult(NAME, PASSED, summary, 0, [], figures)
+
+
+def _labels(events: list[_Recompile]) -> str:
+    labels: list[str] = []
+    for e in events:
+        if e.label not in labels:
+            labels.append(e.label)
+    shown = ", ".join(labels[:6])
+    return shown + (f" and {len(labels) - 6} more" if len(labels) > 6 else "")
+
+
+def _limit_value(name: str) -> Any:
+    config = sys.modules.get("torch._dynamo.config")
+    return getattr(config, name, "?")
+
+
+def _checks() -> list[RecompileCheck]:
+    out = []
+    for run in active_runs():
+        check = run.checks.get(NAME) if run.active else None
+        if check is not None:
+            out.append(check)  # type: ignore[arg-type]
+    return out
+
+
+# -- probe ------------------------------------------------------------------------
+
+
+def _attach(patcher: "Patcher", convert_frame: Any) -> None:
+    """Patch dynamo's recompilation entry points in ``convert_frame``."""
+    flags = FLAGS
+    reasons_name = next((n for n in _REASONS if callable(getattr(convert_frame, n, None))), None)
+    limit_name = next((n for n in _LIMITS if callable(getattr(convert_frame, n, None))), None)
+    _attached[0] = reasons_name is not None
+    if reasons_name is None:
+        return
+
+    def wrap_reasons(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def reasons(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if flags.active and not kwargs.get("skip_logging"):
+                frame = args[1] if len(args) > 1 else kwargs.get("frame")
+                code = getattr(frame, "f_code", None)
+                checks = _checks()
+                if checks and code is not None:
+                    stack = capture(2)
+                    found = [str(r) for r in (out or [])] if isinstance(out, (list, tuple)) else [str(out)]
+                    for check in checks:
+                        check.on_recompile(code, found, stack)
+            return out
+
+        return reasons
+
+    def wrap_limit(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def exceeds(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            exceeded, which = (out[0], out[1]) if isinstance(out, tuple) else (bool(out), "cache_size_limit")
+            if exceeded and flags.active:
+                for check in _checks():
+                    check.on_limit(which or "recompile_limit")
+            return out
+
+        return exceeds
+
+    patcher.wrap(convert_frame, reasons_name, wrap_reasons)
+    if limit_name is not None:
+        patcher.wrap(convert_frame, limit_name, wrap_limit)
+
+    try:
+        callback_module: Any = importlib.import_module("torch._dynamo.callback")
+    except ImportError:  # pragma: no cover - torch without compile callbacks
+        callback_module = None
+    handler = getattr(callback_module, "callback_handler", None)
+    if handler is not None and hasattr(handler, "register_start_callback"):
+
+        def on_start(args: Any) -> None:
+            trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+            if flags.active and trigger == "DYNAMO":
+                for check in _checks():
+                    check.on_compile()
+
+        handler.register_start_callback(on_start)
+
+        def remove() -> None:
+            try:
+                handler.remove_start_callback(on_start)
+            except ValueError:  # already cleared by someone else
+                pass
+
+        patcher.callback(remove)
+
+
+class _AttachOnImport(importlib.abc.MetaPathFinder):
+    """Attaches to ``convert_frame`` right after it is executed, when dynamo is first imported during a run."""
+
+    def __init__(self, patcher: "Patcher") -> None:
+        self.patcher = patcher
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _CONVERT_FRAME:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+        hook = self
+
+        class _Loader(importlib.abc.Loader):
+            def __getattr__(self, name: str) -> Any:
+                return getattr(loader, name)
+
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                exec_module(module)
+                if hook in sys.meta_path:  # still watching
+                    sys.meta_path.remove(hook)
+                    _attach(hook.patcher, module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def install(patcher: "Patcher") -> None:
+    """Attach to dynamo now if it is imported, else as soon as it is; undone by ``patcher``."""
+    patcher.callback(lambda: _attached.__setitem__(0, None))
+    module = sys.modules.get(_CONVERT_FRAME)
+    if module is not None:
+        _attach(patcher, module)
+        return
+    hook = _AttachOnImport(patcher)
+    sys.meta_path.insert(0, hook)
+    patcher.callback(lambda: sys.meta_path.remove(hook) if hook in sys.meta_path else None)

@@ -1,0 +1,755 @@
+"""``max_overhead``, ``parity()`` and ``vanilla_fit()``: statistics, the derived loop, real Lightning fits on CPU.
+
+The two heavy tests time real fits of a 4x512 MLP (about 15 ms of matrix work
+per step on one thread) through the marker; everything else uses tiny models
+or synthetic epoch times so the file stays fast on two cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from typing import Any, Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+try:
+    import pytorch_lightning as pl
+except ImportError:  # pragma: no cover - the lightning package only
+    pl = pytest.importorskip("lightning.pytorch")
+
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from pytest_torchperf import InvariantViolation, NotMirrored, UsageError, parity, vanilla_fit, watch  # noqa: E402
+from pytest_torchperf.options import Options, parse_options  # noqa: E402
+from pytest_torchperf.timing import (  # noqa: E402
+    LOCK_ENV,
+    MIN_ROUNDS,
+    LoadMeter,
+    Rounds,
+    Stopwatch,
+    bootstrap_interval,
+    cpu_wait,
+    median,
+    timing_lock,
+)
+
+#: Every other invariant off (those on by default), so only max_overhead is checked and paid for.
+ONLY_OVERHEAD = {
+    f.name: False for f in dataclasses.fields(Options) if f.default is True and not f.metadata.get("setting")
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread: steadier timings on a small shared machine (restored after each test)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- tiny models for the mechanics ------------------------------------------------------------
+
+
+def tiny_loader(n: int = 32, batch_size: int = 8, width: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch_size)
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that counts its steps and remembers the gradient norm it saw at each one."""
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.steps = 0
+        self.grad_norms: list[float] = []
+
+    def step(self, closure: Any = None) -> Any:
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0)
+        self.steps += 1
+        return super().step(closure)
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(width, 1)
+        self.optimizer: Any = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        self.optimizer = CountingSGD(self.parameters(), lr=0.01)
+        return self.optimizer
+
+
+def tiny_trainer(tmp_path: Any, **kwargs: Any) -> Any:
+    options = dict(
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+# -- statistics ----------------------------------------------------------------------------------
+
+
+def test_bootstrap_interval_is_seeded_and_brackets_the_median() -> None:
+    values = [1.10, 1.12, 1.09, 1.15, 1.11, 1.13]
+    lo, hi = bootstrap_interval(values)
+    assert (lo, hi) == bootstrap_interval(values)
+    assert min(values) <= lo <= median(values) <= hi <= max(values)
+    assert bootstrap_interval([2.0]) == (2.0, 2.0)
+
+
+def test_rounds_stop_once_the_interval_is_clear_of_the_threshold() -> None:
+    clear = Rounds(max_overhead=0.3, rounds=10)
+    for c in (2.0, 2.1, 1.9, 2.05):
+        assert not clear.done()
+        clear.add(c, 1.0)
+    assert clear.done() and len(clear) == MIN_ROUNDS
+    assert "entirely above" in clear.stop_reason
+
+    straddling = Rounds(max_overhead=0.3, rounds=6)
+    for c in itertools.islice(itertools.cycle((1.1, 1.5)), 6):
+        straddling.add(c, 1.0)
+        if len(straddling) < 6:
+            assert not straddling.done()
+    assert straddling.done() and "budget of 6" in straddling.stop_reason
+
+
+def test_rounds_take_the_wait_for_a_cpu_out_of_both_sides() -> None:
+    rounds = Rounds(max_overhead=0.3, rounds=10)
+    rounds.add(1.5, 1.0, 0.5, 0.0)  # the candidate's epoch was stretched by another process
+    rounds.add(1.0, 1.25, 0.0, 0.25)
+    assert rounds.ratios == [1.0, 1.0]
+    stats = rounds.result(("a", "b"), 1)
+    assert stats.candidate.wait_share == pytest.approx(0.5 / 2.5) and stats.baseline.wait_share == pytest.approx(0.25 / 2.25)
+    assert "waited for a CPU (Linux run-queue delay): 20.0% of a's wall time, 11.1% of b's" in str(stats)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or cpu_wait() is None, reason="Linux scheduler statistics")
+def test_stopwatch_measures_the_time_another_process_held_our_cpu() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    hog = subprocess.Popen(
+        [sys.executable, "-c", f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"]
+    )
+    try:
+        os.sched_setaffinity(0, {cpu})  # this thread and the hog now share one CPU
+        time.sleep(0.2)
+        watch = Stopwatch()
+        watch.start()
+        busy(0.4)
+        wall, waited = watch.stop()
+    finally:
+        os.sched_setaffinity(0, before)
+        hog.kill()
+        hog.wait()
+    assert waited is not None and 0.1 < waited < wall
+
+
+# -- parity(): the callable form -----------------------------------------------------------------
+
+
+def fixed(times: list[float], calls: list[str], name: str) -> Any:
+    it = iter(times)
+
+    def epoch() -> float:
+        calls.append(name)
+        return next(it)
+
+    return epoch
+
+
+def test_parity_fails_a_slower_candidate_with_a_report() -> None:
+    calls: list[str] = []
+    jitter = [1.0, 1.02, 0.98, 1.01, 0.99, 1.03, 1.0, 0.97] * 3
+    candidate = fixed([1.5 * j for j in jitter], calls, "c")
+    baseline = fixed(jitter, calls, "b")
+    with pytest.raises(InvariantViolation) as info:
+        parity(candidate, baseline, max_overhead=0.3, names=("my loop", "plain loop"))
+    check = info.value.report["max_overhead"]
+    assert check.status == "failed"
+    assert check.figures["overhead"] == pytest.approx(0.5, abs=0.06)
+    assert check.figures["rounds"] == MIN_ROUNDS and check.figures["decisive"] is True
+    text = info.value.report.render()
+    assert "max_overhead" in text and "my loop" in text and "plain loop" in text
+    assert "entirely above the threshold 30%" in text
+    # A B, then B A, ...: one warm-up round, then MIN_ROUNDS timed ones.
+    assert calls == ["c", "b", "b", "c", "c", "b", "b", "c", "c", "b"]
+
+
+def test_parity_passes_within_the_threshold_and_returns_its_measurement() -> None:
+    calls: list[str] = []
+    result = parity(fixed([1.05] * 30, calls, "c"), fixed([1.0] * 30, calls, "b"), max_overhead=0.2)
+    assert result.passed and not result.exceeded and result.decisive
+    assert result.overhead == pytest.approx(0.05)
+    assert result.summary().startswith("+5.0% over baseline") and result.summary().endswith("<= 20%")
+    figures = result.to_dict()
+    assert figures["candidate"]["median_s"] == pytest.approx(1.05)
+    assert figures["baseline"]["times_s"] == [1.0] * MIN_ROUNDS
+    assert set(figures["load"]) >= {"cpus", "loaded", "cpu_wait_fraction"}
+
+
+def test_parity_without_a_threshold_measures_and_check_false_never_raises() -> None:
+    calls: list[str] = []
+    measured = parity(fixed([2.0] * 30, calls, "c"), fixed([1.0] * 30, calls, "b"))
+    assert measured.exceeded is None and measured.passed and measured.overhead == pytest.approx(1.0)
+    quiet = parity(fixed([2.0] * 30, calls, "c"), fixed([1.0] * 30, calls, "b"), max_overhead=0.1, check=False)
+    assert quiet.exceeded is True and quiet.report()["max_overhead"].status == "failed"
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def work(n: int) -> None:
+    """A fixed amount of CPU work (busy(s) spins until a deadline, however much of it another process took)."""
+    total = 0
+    for i in range(n):
+        total += i
+
+
+def test_parity_times_real_calls_and_pins_torch_threads() -> None:
+    def candidate() -> None:
+        torch.set_num_threads(2)  # a callable that changes the thread count is set back before each call
+        work(200_000)
+
+    seen: list[int] = []
+
+    def baseline() -> None:
+        seen.append(torch.get_num_threads())
+        work(100_000)
+
+    result = parity(candidate, baseline, max_overhead=0.3, check=False)
+    assert result.exceeded and 0.6 < result.overhead < 1.6, result
+    assert result.threads == 1 and set(seen) == {1}
+    assert any("thread count" in note for note in result.notes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_overhead": -0.1}, "max_overhead must be a finite number > 0"),
+        ({"max_overhead": "10%"}, "max_overhead must be a number > 0"),
+        ({"rounds": 3}, "rounds must be an integer from 4 to 1000, got 3"),
+        ({"rounds": True}, "rounds must be an integer"),
+        ({"warmup": -1}, "warmup must be an integer from 0"),
+        ({"names": ("only one",)}, "names must be two non-empty strings"),
+    ],
+)
+def test_parity_refuses_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        parity(lambda: 1.0, lambda: 1.0, **kwargs)
+
+
+def test_parity_refuses_what_is_not_a_callable_or_an_epoch_time() -> None:
+    with pytest.raises(UsageError, match="candidate must be a callable"):
+        parity(1.0, lambda: 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="the baseline callable returned 'fast'"):
+        parity(lambda: 1.0, lambda: "fast")
+    with pytest.raises(ValueError, match="not positive"):
+        parity(lambda: [1.0, -2.0], lambda: 1.0)
+
+
+def test_overhead_rounds_is_a_validated_setting() -> None:
+    assert parse_options({}).overhead_rounds == 10
+    assert "max_overhead" in parse_options({"max_overhead": 0.2, "overhead_rounds": 4}).enabled_checks
+    assert "overhead_rounds" not in parse_options({"overhead_rounds": 20}).enabled_checks
+    for bad in (3, 1001, True, 5.0, "6"):
+        with pytest.raises(UsageError, match="overhead_rounds must be an integer from 4 to 1000"):
+            parse_options({"overhead_rounds": bad}, where="@pytest.mark.torchperf")
+
+
+# -- the machine: lock and load ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="fcntl locks")
+def test_timing_lock_keeps_other_processes_out(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(tmp_path / "timing.lock")
+    monkeypatch.setenv(LOCK_ENV, path)
+    probe = textwrap.dedent(
+        f"""
+        import fcntl, os, sys
+        fd = os.open({path!r}, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.exit(3)
+        """
+    )
+    with timing_lock() as info:
+        assert info.path == path and info.waited_s >= 0
+        with timing_lock() as inner:  # re-entrant in one thread
+            assert inner.path == path
+        assert subprocess.run([sys.executable, "-c", probe]).returncode == 3
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0
+    monkeypatch.delenv(LOCK_ENV)
+    with timing_lock() as info:
+        assert info.path is None
+
+
+def test_load_meter_says_how_long_our_threads_waited_for_a_cpu() -> None:
+    with LoadMeter() as meter:
+        busy(0.05)
+    figures = meter.figures
+    assert figures["cpus"] >= 1 and "loaded" in figures
+    if sys.platform == "linux":
+        assert 0.0 <= figures["cpu_wait_fraction"] <= 1.0
+        assert "waited for a CPU" in figures["text"]
+
+
+# -- vanilla_fit(): the derived loop -------------------------------------------------------------
+
+
+def test_vanilla_fit_runs_the_loop_the_module_describes() -> None:
+    module = Tiny()
+    before = module.layer.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # self.log without a Trainer must stay silent
+        times = vanilla_fit(module, tiny_loader(), max_epochs=3)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert module.optimizer.steps == 12  # 4 batches x 3 epochs
+    assert not torch.equal(module.layer.weight, before)
+    capped = Tiny()
+    vanilla_fit(capped, tiny_loader(), max_epochs=3, max_steps=5)
+    assert capped.optimizer.steps == 5
+    limited = Tiny()
+    vanilla_fit(limited, tiny_loader(), max_epochs=2, limit_train_batches=0.5)
+    assert limited.optimizer.steps == 4
+
+
+def test_vanilla_fit_mirrors_schedulers_accumulation_and_clipping() -> None:
+    class Scheduled(Tiny):
+        def configure_optimizers(self) -> Any:
+            self.optimizer = CountingSGD(self.parameters(), lr=1.0)
+            scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+            return {"optimizer": self.optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    module = Scheduled()
+    vanilla_fit(module, tiny_loader(), max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=1e-3)
+    assert module.optimizer.steps == 2  # 4 batches, a step every 2
+    assert module.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)  # stepped after each optimizer step
+    assert max(module.optimizer.grad_norms) <= 1e-3 * 1.0001  # clipped before each step
+
+    class Epochly(Tiny):
+        def configure_optimizers(self) -> Any:
+            self.optimizer = CountingSGD(self.parameters(), lr=1.0)
+            return [self.optimizer], [torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)]
+
+    epochly = Epochly()
+    vanilla_fit(epochly, tiny_loader(), max_epochs=3)
+    assert epochly.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
+
+
+def test_vanilla_fit_runs_the_step_under_autocast_for_mixed_precision() -> None:
+    seen: list[bool] = []
+
+    class Watching(Tiny):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            try:
+                seen.append(torch.is_autocast_enabled("cpu"))
+            except TypeError:  # torch < 2.4
+                seen.append(torch.is_autocast_cpu_enabled())
+            return {"loss": super().training_step(batch, batch_idx)}
+
+    vanilla_fit(Watching(), tiny_loader(), precision="bf16-mixed")
+    assert seen and all(seen)
+
+
+class Manual(Tiny):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class TwoOptimizers(Tiny):
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.Adam(self.parameters())]
+
+
+class NoLoss(Tiny):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return {"value": super().training_step(batch, batch_idx)}
+
+
+@pytest.mark.parametrize(
+    ("module", "loaders", "kwargs", "message"),
+    [
+        (Manual, tiny_loader, {}, "manual optimization"),
+        (TwoOptimizers, tiny_loader, {}, "returned 2 optimizers"),
+        (Tiny, lambda: [tiny_loader(), tiny_loader()], {}, "2 dataloaders at once"),
+        (Tiny, tiny_loader, {"precision": "64-true"}, "precision='64-true' is not mirrored"),
+        (NoLoss, tiny_loader, {}, "without a 'loss' key"),
+    ],
+)
+def test_vanilla_fit_refuses_what_it_cannot_mirror(module: Any, loaders: Any, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(NotMirrored, match=message):
+        vanilla_fit(module(), loaders(), **kwargs)
+
+
+def test_vanilla_fit_refuses_bad_arguments() -> None:
+    with pytest.raises(UsageError, match="max_epochs must be an integer"):
+        vanilla_fit(Tiny(), tiny_loader(), max_epochs=0)
+    with pytest.raises(UsageError, match="limit_train_batches must be a batch count"):
+        vanilla_fit(Tiny(), tiny_loader(), limit_train_batches=1.5)
+
+
+# -- the max_overhead check on real (tiny) fits -------------------------------------------------
+
+
+class Counter(pl.Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.batches += 1
+
+
+def test_check_times_copies_and_leaves_the_users_objects_alone(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    lock = str(tmp_path / "lock")
+    monkeypatch.setenv(LOCK_ENV, lock)
+    counter = Counter()
+    model = Tiny()
+    with watch(max_overhead=100.0, **ONLY_OVERHEAD) as run:
+        trainer = tiny_trainer(tmp_path, callbacks=[counter], accumulate_grad_batches=2, gradient_clip_val=0.5)
+        trainer.fit(model, tiny_loader())
+        weights = model.layer.weight.detach().clone()
+        rng = torch.get_rng_state()
+    check = run.report["max_overhead"]
+    assert check.status == "passed", check.summary
+    fit = check.figures["fits"][0]
+    assert fit["module"] == "Tiny" and fit["site"].endswith(f"test_max_overhead.py:{_line_of('trainer.fit(model, tiny_loader())')}")
+    assert fit["rounds"] >= MIN_ROUNDS and fit["batches_per_epoch"] == 4 and fit["lock"] == lock
+    assert check.figures["overhead"] == fit["overhead"] and len(fit["interval"]) == 2
+    # The replay trained copies: the user's module, callback and random generator are as the fit left them.
+    assert torch.equal(model.layer.weight, weights)
+    assert counter.batches == 8
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.optimizer.steps == 4  # accumulate_grad_batches=2 in the user's own fit
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as f:
+        for number, line in enumerate(f, 1):
+            if text in line and "_line_of" not in line:
+                return number
+    raise AssertionError(text)
+
+
+def test_validation_is_left_out_of_the_timed_epochs(tmp_path: Any) -> None:
+    class SlowValidation(Tiny):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            busy(0.15)  # ten times a tiny training epoch: it would dominate a timed epoch
+
+    with watch(max_overhead=100.0, **ONLY_OVERHEAD) as run:
+        trainer = tiny_trainer(tmp_path, limit_val_batches=1, num_sanity_val_steps=0)
+        trainer.fit(SlowValidation(), tiny_loader(), tiny_loader())
+    fit = run.report["max_overhead"].figures["fits"][0]
+    assert fit["candidate"]["median_s"] < 0.1, fit["candidate"]
+
+
+def test_nested_runs_do_not_record_the_replay(tmp_path: Any) -> None:
+    with watch(**ONLY_OVERHEAD) as outer:
+        with watch(max_overhead=100.0, **ONLY_OVERHEAD) as inner:
+            tiny_trainer(tmp_path).fit(Tiny(), tiny_loader())
+        assert inner.report["max_overhead"].status == "passed"
+    assert outer.steps == inner.steps == 8
+    assert any("another torchperf run" in n for n in inner.report["max_overhead"].figures["fits"][0]["notes"])
+
+
+def _refusal(run: Any) -> str:
+    check = run.report["max_overhead"]
+    assert check.status == "failed" and check.summary.startswith("cannot compare")
+    return run.report.render()
+
+
+def test_manual_optimization_is_refused_not_compared(tmp_path: Any) -> None:
+    class ManualStep(Manual):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            opt.step()
+
+    with pytest.raises(InvariantViolation) as info:
+        with watch(max_overhead=0.5, **ONLY_OVERHEAD):
+            tiny_trainer(tmp_path, max_epochs=1).fit(ManualStep(), tiny_loader())
+    text = _refusal(info.value)
+    assert "Trainer.fit(ManualStep) cannot be compared with a vanilla loop" in text
+    assert "manual optimization" in text and "torchperf.parity(" in text
+
+
+def test_trainer_built_outside_the_watch_is_refused(tmp_path: Any) -> None:
+    trainer = tiny_trainer(tmp_path, max_epochs=1)
+    with pytest.raises(InvariantViolation) as info:
+        with watch(max_overhead=0.5, **ONLY_OVERHEAD):
+            trainer.fit(Tiny(), tiny_loader())
+    assert "built before torchperf started watching" in _refusal(info.value)
+
+
+def test_fast_dev_run_is_refused(tmp_path: Any) -> None:
+    with pytest.raises(InvariantViolation) as info:
+        with watch(max_overhead=0.5, **ONLY_OVERHEAD):
+            tiny_trainer(tmp_path, fast_dev_run=True).fit(Tiny(), tiny_loader())
+    assert "fast_dev_run" in _refusal(info.value)
+
+
+def test_two_training_dataloaders_are_refused_by_the_replay(tmp_path: Any) -> None:
+    class TwoLoaders(Tiny):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return super().training_step(batch[0], batch_idx)
+
+    with pytest.raises(InvariantViolation) as info:
+        with watch(max_overhead=0.5, **ONLY_OVERHEAD):
+            tiny_trainer(tmp_path, max_epochs=1).fit(TwoLoaders(), [tiny_loader(), tiny_loader()])
+    assert "the fit trains on 2 dataloaders at once" in _refusal(info.value)
+
+
+def test_plateau_scheduler_is_noted_not_stepped(tmp_path: Any) -> None:
+    class Plateau(Tiny):
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.01)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss"}}
+
+    with watch(max_overhead=100.0, **ONLY_OVERHEAD) as run:
+        tiny_trainer(tmp_path).fit(Plateau(), tiny_loader())
+    notes = run.report["max_overhead"].figures["fits"][0]["notes"]
+    assert any(note.startswith("ReduceLROnPlateau is not stepped by the vanilla loop") for note in notes)
+
+
+def test_no_fit_means_nothing_to_compare() -> None:
+    with pytest.raises(InvariantViolation) as info:
+        with watch(max_overhead=0.5, **ONLY_OVERHEAD):
+            pass
+    check = info.value.report["max_overhead"]
+    assert check.summary == "no Trainer.fit to compare"
+    assert "torchperf.parity(" in info.value.report.render()
+
+
+def test_a_block_that_raises_is_not_timed(tmp_path: Any) -> None:
+    class Broken(Tiny):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            raise ValueError("boom")
+
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="boom"):
+        with watch(max_overhead=0.5, **ONLY_OVERHEAD) as run:
+            tiny_trainer(tmp_path).fit(Broken(), tiny_loader())
+    assert run.report["max_overhead"].status == "not checked"
+    assert time.perf_counter() - started < 30
+
+
+# -- through pytest, on the heavy workload -------------------------------------------------------
+
+HEAVY = '''
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+try:
+    import pytorch_lightning as pl
+except ImportError:  # pragma: no cover
+    import lightning.pytorch as pl
+
+WIDTH, BATCH, BATCHES = 512, 256, 8  # about 15 ms of matrix work per step on one thread
+
+
+def make_loader():
+    g = torch.Generator().manual_seed(0)
+    n = BATCH * BATCHES
+    return DataLoader(TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)), batch_size=BATCH)
+
+
+class HeavyModule(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class SlowHookModule(HeavyModule):
+    def on_train_batch_end(self, outputs, batch, batch_idx, *args):
+        x, y = batch  # the step's matrix work once more: this hook is as slow as the step
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        torch.autograd.grad(loss, list(self.net.parameters()))
+
+
+def make_trainer(tmp_path):
+    return pl.Trainer(
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+'''
+
+
+@pytest.fixture
+def heavy(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(overhead_models=HEAVY)
+    pytester.syspathinsert()
+    return pytester
+
+
+def marked(source: str) -> str:
+    """``source`` with ``OTHERS_OFF`` in its marker replaced by every other invariant switched off."""
+    return textwrap.dedent(source).replace("OTHERS_OFF", ", ".join(f"{k}={v}" for k, v in ONLY_OVERHEAD.items()))
+
+
+def test_clean_heavy_fit_passes_a_generous_threshold(heavy: pytest.Pytester) -> None:
+    source = """
+        import pytest
+        from overhead_models import HeavyModule, make_loader, make_trainer
+
+        @pytest.mark.torchperf(max_overhead=1.0, OTHERS_OFF)
+        def test_fit(tmp_path):
+            make_trainer(tmp_path).fit(HeavyModule(), make_loader())
+        """
+    heavy.makepyfile(marked(source))
+    result = heavy.runpytest()
+    result.assert_outcomes(passed=1)
+    result.stdout.re_match_lines([r".*max_overhead: passed \([+-]\d+\.\d% over vanilla loop \(95% CI .*\) <= 100%\)"])
+
+
+def test_slow_hook_fails_at_30_percent_and_is_named_in_the_report(heavy: pytest.Pytester) -> None:
+    source = """
+        import pytest
+        from overhead_models import SlowHookModule, make_loader, make_trainer
+
+        @pytest.mark.torchperf(max_overhead=0.3, OTHERS_OFF)
+        def test_fit(tmp_path):
+            make_trainer(tmp_path).fit(SlowHookModule(), make_loader())
+        """
+    heavy.makepyfile(marked(source))
+    result = heavy.runpytest()
+    result.assert_outcomes(failed=1)
+    hook_line = HEAVY.strip().splitlines().index("    def on_train_batch_end(self, outputs, batch, batch_idx, *args):") + 1
+    result.stdout.fnmatch_lines(
+        [
+            "*torchperf: 1 invariant broken: max_overhead (+*% over vanilla loop (95% CI *) > 30%)*",
+            "*Trainer.fit(SlowHookModule): a Lightning epoch took * against * for the vanilla loop derived "
+            "from SlowHookModule: +*%, more than max_overhead=30%",
+            "*overhead +*% (median of * paired rounds), 95% interval *",
+            "*Trainer.fit(SlowHookModule) called at test_slow_hook_fails_at_30_percent_and_is_named_in_the_report.py:6*",
+            "where the extra * per batch went (8 batches per epoch*",
+            "* per batch  SlowHookModule.on_train_batch_end (LightningModule hook)",
+            f"*at overhead_models.py:{hook_line} ?your code?",
+            "*hint: SlowHookModule.on_train_batch_end runs in the fit and has no counterpart in the vanilla loop*",
+        ]
+    )
+
+
+def test_marker_rejects_a_bad_round_budget(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.torchperf(max_overhead=0.1, overhead_rounds=2)
+        def test_fit():
+            pass
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*overhead_rounds must be an integer from 4 to 1000*got 2*"])
+
+
+def test_callable_form_fails_the_test_with_the_torchperf_report(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from pytest_torchperf import parity
+
+        def test_loops():
+            parity(lambda: 0.013, lambda: 0.010, max_overhead=0.2, names=("framework loop", "plain loop"))
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*torchperf: 1 invariant broken: max_overhead (+30.0% over plain loop (95% CI +30.0%..+30.0%, 4 rounds) > 20%)*",
+            "*framework loop took 13.0 ms per epoch vs 10.0 ms for plain loop: +30.0% (max_overhead 20%)*",
+        ]
+    )
+
+
+def test_importing_the_package_does_not_import_torch() -> None:
+    code = "import sys, pytest_torchperf; pytest_torchperf.parity; pytest_torchperf.vanilla_fit; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_math_helpers_agree_with_numpy_conventions() -> None:
+    from pytest_torchperf.timing import quantile
+
+    assert quantile([1, 2, 3, 4], 0.5) == 2.5
+    assert quantile([1, 2, 3, 4], 0.25) == 1.75
+    assert math.isclose(median([3.0, 1.0, 2.0]), 2.0)
+
+
+def test_fixture_parity_fails_the_test_and_is_recorded(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_fixture_parity="""
+        import time
+
+        def test_slower(torchperf):
+            torchperf.parity(lambda: time.sleep(0.02), lambda: time.sleep(0.01), max_overhead=0.2,
+                             rounds=4, names=("my loop", "reference loop"))
+
+        def test_within(torchperf):
+            result = torchperf.parity(lambda: time.sleep(0.01), lambda: time.sleep(0.01), max_overhead=0.5, rounds=4)
+            assert result.passed and result.rounds >= 4
+        """
+    )
+    result = pytester.runpytest("--torchperf-json=out.json")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*torchperf: 1 invariant broken: max_overhead (+*% over reference loop (95% CI *, 4 rounds) > 20%)*",
+            "*- torchperf: max_overhead -*",
+            "my loop took * per epoch vs * for reference loop: +*",
+            "FAILED  test_fixture_parity.py::test_slower",
+            "        parity: max_overhead: failed*",
+        ]
+    )
+    import json
+
+    doc = json.loads((pytester.path / "out.json").read_text())
+    runs = {t["nodeid"].split("::")[1]: t["runs"] for t in doc["tests"]}
+    assert runs["test_slower"][0]["source"] == "parity"
+    assert runs["test_slower"][0]["options"]["max_overhead"] == 0.2
+    assert runs["test_slower"][0]["checks"]["max_overhead"]["figures"]["rounds"] == 4
+    assert runs["test_within"][0]["checks"]["max_overhead"]["passed"] is True
