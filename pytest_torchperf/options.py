@@ -93,6 +93,15 @@ class Options:
         "max_overhead times at most this many rounds (one fit epoch and one vanilla epoch each, "
         f"after a warm-up); it stops after {OVERHEAD_MIN_ROUNDS} once the 95% interval is clear of the threshold",
     )
+    max_syncs_per_step: Optional[int] = _setting(
+        None,
+        "no_host_sync passes while no training step makes more than N syncs in your code "
+        "(for code that syncs on purpose; syncs outside steps always count)",
+    )
+    max_copies_per_step: Optional[int] = _setting(
+        None,
+        "on_device passes while no training step makes more than N copies of host-built tensors",
+    )
     recompile_warmup_steps: Optional[int] = _setting(
         None,
         "no_recompiles counts recompiles during the first N training steps as warm-up "
@@ -218,6 +227,8 @@ def parse_options(
     for name, lowest, meaning in (
         ("min_workers", 1, "the fewest DataLoader worker processes each training loader may have"),
         ("recompile_warmup_steps", 0, "training steps whose recompiles count as warm-up"),
+        ("max_syncs_per_step", 0, "the most syncs in your code any training step may make"),
+        ("max_copies_per_step", 0, "the most copies of host-built tensors any training step may make"),
     ):
         value = kwargs.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lowest):

@@ -53,7 +53,7 @@ import sys
 import weakref
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from .. import stacks
 from ..stacks import PYTEST, STDLIB, TORCH, TORCHPERF, Frame, Stack
@@ -225,6 +225,22 @@ def frequency(per_unit: dict[int, int], outside: int, total: int) -> str:
         times = "time" if outside == 1 else "times"
         parts.append(f"{outside} {times} outside training steps")
     return ", ".join(parts) or "never"
+
+
+def over_budget(per_units: Iterable[dict[int, int]], outside: int, budget: Optional[int]) -> tuple[int, bool]:
+    """``(worst, over)``: the most events in one step (summed over sites) and whether a budget is broken.
+
+    Without a budget every event breaks it; with one, a step may make up to
+    ``budget`` events, and events outside any step always break it.
+    """
+    per_step: dict[int, int] = {}
+    for per_unit in per_units:
+        for unit, count in per_unit.items():
+            per_step[unit] = per_step.get(unit, 0) + count
+    worst = max(per_step.values(), default=0)
+    if budget is None:
+        return worst, bool(per_step) or outside > 0
+    return worst, worst > budget or outside > 0
 
 
 def owner_label(frame: Frame) -> str:

@@ -41,7 +41,19 @@ from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import TORCH, USER, Frame, Stack
 from ..watch import active_runs
 from . import _tensors
-from ._tensors import AllowList, Birth, Move, describe_frame, frequency, locate, owner_label, stack_cache, unit_of, units_total
+from ._tensors import (
+    AllowList,
+    Birth,
+    Move,
+    describe_frame,
+    frequency,
+    locate,
+    over_budget,
+    owner_label,
+    stack_cache,
+    unit_of,
+    units_total,
+)
 
 if TYPE_CHECKING:
     from ..patching import Patcher
@@ -265,11 +277,22 @@ class DevicePlacementCheck:
             "allowed_copies": sum(c.count for c in allowed),
             "events": [c.to_dict(total) for c in copies],
         }
+        budget = run.options.max_copies_per_step
+        worst, over = over_budget((c.per_unit for c in failing), sum(c.outside for c in failing), budget)
+        figures["worst_step_copies"] = worst
+        figures["max_copies_per_step"] = budget
         findings = [self._finding(c, total) for c in failing]
         findings += [self._finding(c, total, "note: ") for c in noted]
         findings += [self._finding(c, total, "allowed: ") for c in allowed]
         if self.error:
             return CheckResult(NAME, NOT_CHECKED, f"internal error: {self.error}", 0, findings, figures)
+        if failing and not over:
+            count = sum(c.count for c in failing)
+            summary = (
+                f"{count} host-built tensor cop{'ies' if count != 1 else 'y'}, at most {worst} in a step: "
+                f"within max_copies_per_step={budget}"
+            )
+            return CheckResult(NAME, PASSED, summary, 0, findings, figures)
         if failing:
             count = sum(c.count for c in failing)
             noun = "copy" if count == 1 else "copies"
@@ -280,6 +303,8 @@ class DevicePlacementCheck:
                 summary = f"{count} {what} {noun} from {where}: {frequency(c.per_unit, c.outside, total)}"
             else:
                 summary = f"{count} host-to-device {noun} of tensors built on the host, at {len(failing)} sites over {total} {steps}"
+            if budget is not None:
+                summary += f"; {worst} in one step, max_copies_per_step={budget}"
             return CheckResult(NAME, FAILED, summary, count, findings, figures)
         extras = []
         if noted:

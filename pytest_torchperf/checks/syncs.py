@@ -49,7 +49,18 @@ from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import USER, Frame, Stack
 from ..watch import FLAGS, active_runs
 from . import _tensors
-from ._tensors import AllowList, Located, describe_frame, frequency, locate, owner_label, stack_cache, unit_of, units_total
+from ._tensors import (
+    AllowList,
+    Located,
+    describe_frame,
+    frequency,
+    locate,
+    over_budget,
+    owner_label,
+    stack_cache,
+    unit_of,
+    units_total,
+)
 
 if TYPE_CHECKING:
     from ..patching import Patcher
@@ -296,12 +307,23 @@ class HostSyncCheck:
             "mode": "device" if cuda_seen else "inferred on cpu",
             "events": [s.to_dict(total) for s in sites],
         }
+        budget = run.options.max_syncs_per_step
+        worst, over = over_budget((s.per_unit for s in failing), sum(s.outside for s in failing), budget)
+        figures["worst_step_syncs"] = worst
+        figures["max_syncs_per_step"] = budget
         findings = [self._finding(s, total) for s in failing]
         findings += [self._finding(s, total, "note: ") for s in noted]
         findings += [self._finding(s, total, "allowed: ") for s in allowed]
         steps = "step" if total == 1 else "steps"
         if self.error:
             return CheckResult(NAME, NOT_CHECKED, f"internal error: {self.error}", 0, findings, figures)
+        if failing and not over:
+            count = sum(s.count for s in failing)
+            summary = (
+                f"{count} sync{'s' if count != 1 else ''} in your code, at most {worst} in a step: "
+                f"within max_syncs_per_step={budget}"
+            )
+            return CheckResult(NAME, PASSED, summary, 0, findings, figures)
         if failing:
             count = sum(s.count for s in failing)
             noun = "sync" if count == 1 else "syncs"
@@ -312,6 +334,8 @@ class HostSyncCheck:
             else:
                 where = "in your code" if all(s.is_user for s in failing) else "in your code and libraries"
                 summary = f"{count} {noun} at {len(failing)} sites {where} over {total} {steps}"
+            if budget is not None:
+                summary += f"; {worst} in one step, max_syncs_per_step={budget}"
             return CheckResult(NAME, FAILED, summary, count, findings, figures)
         extras = []
         if framework_count:
