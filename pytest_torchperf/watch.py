@@ -47,6 +47,24 @@ class _Flags:
 FLAGS = _Flags
 
 
+@contextlib.contextmanager
+def suspended() -> Iterator[list["Run"]]:
+    """Hide the active runs from the probes inside the block; yields the runs hidden.
+
+    For torchperf's own work while a run is still active (the ``max_overhead``
+    replay of a run nested in another): the probes stay installed, but no run
+    records what they see.
+    """
+    hidden = list(_ACTIVE)
+    _ACTIVE.clear()
+    _refresh_flags()
+    try:
+        yield hidden
+    finally:
+        _ACTIVE[:] = hidden
+        _refresh_flags()
+
+
 def _refresh_flags() -> None:
     FLAGS.active = any(run._active for run in _ACTIVE)
     _refresh_scope()

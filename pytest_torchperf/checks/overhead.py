@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from .. import lightning
+from ..watch import suspended
 from ..timing import (
     WARMUP_BATCHES,
     LoadMeter,
@@ -714,24 +715,6 @@ def _isolated_rng() -> Iterator[None]:
             np.random.set_state(np_state)
 
 
-@contextlib.contextmanager
-def _runs_hidden() -> Iterator[list[Any]]:
-    """Hide still-active (outer) runs from the probes while torchperf runs its own fit.
-
-    A run nested in another finishes while the outer one watches: its probes
-    are still installed, and must not record the replay as the user's work.
-    """
-    from ..watch import active_runs
-
-    runs = active_runs()
-    saved = list(runs)
-    runs.clear()
-    try:
-        yield saved
-    finally:
-        runs[:] = saved
-
-
 def _replay(fit: _Fit, max_overhead: Optional[float], rounds: int) -> _Replay:
     notes: list[str] = []
     controller = Rounds(max_overhead, rounds)
@@ -745,7 +728,7 @@ def _replay(fit: _Fit, max_overhead: Optional[float], rounds: int) -> _Replay:
             notes.append("barebones=True: Lightning cannot be profiled, so the hooks are not broken down")
         module = copy.deepcopy(fit.snapshot)
         fit_kwargs = _replay_fit_kwargs(fit, module, notes)
-        with _runs_hidden() as outer, timing_lock() as lock:
+        with suspended() as outer, timing_lock() as lock:
             if outer:
                 notes.append("another torchperf run was watching during the timing: its probes were installed")
             with frozen_heap(), LoadMeter() as load, _isolated_rng(), _quiet(), lightning.unobserved():
