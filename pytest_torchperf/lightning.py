@@ -20,9 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -227,63 +224,9 @@ def _patch_trainer(patcher: Patcher, trainer_cls: Any, package: str) -> None:
             patcher.setattr(trainer_cls, kind, _wrap_trainer_call(kind, vars(trainer_cls)[kind], package))
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches a Trainer module right after it is executed, when it is first imported during a run."""
-
-    def __init__(self, patcher: Patcher, targets: dict[str, str]) -> None:
-        self.patcher = patcher
-        self.targets = dict(targets)
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in self.targets:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        package = self.targets.pop(fullname)
-        exec_module = loader.exec_module
-        finder = self
-
-        class _Loader(importlib.abc.Loader):
-            def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...
-                return getattr(loader, name)
-
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: Any) -> None:
-                exec_module(module)
-                if finder in sys.meta_path:  # still watching
-                    _patch_trainer(finder.patcher, module.Trainer, package)
-
-        spec.loader = _Loader()
-        return spec
-
-
 def install(patcher: Patcher) -> None:
-    """Patch the Lightning Trainer classes already imported; patch the others on import."""
-    pending = {}
+    """Patch the Lightning Trainer classes already imported; patch the others when they are imported."""
     for module_name, package in _TRAINER_MODULES.items():
-        module = sys.modules.get(module_name)
-        if module is not None:
-            _patch_trainer(patcher, module.Trainer, package)
-            continue
-        top = package.split(".")[0]
-        try:
-            installed = importlib.util.find_spec(top) is not None
-        except (ImportError, ValueError):
-            installed = False
-        if installed:
-            pending[module_name] = package
-    if pending:
-        finder = _PatchOnImport(patcher, pending)
-        sys.meta_path.insert(0, finder)
-        patcher.callback(lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None)
+        patcher.on_import(
+            module_name, lambda module, package=package: _patch_trainer(patcher, module.Trainer, package)
+        )

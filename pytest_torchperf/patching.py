@@ -7,11 +7,54 @@ same ``__dict__`` it started with.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import importlib.abc
+import sys
+from types import ModuleType
+from typing import Any, Callable, Optional
 
 __all__ = ["Patcher"]
 
 _MISSING = object()
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a module is executed, the first time it is imported."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in self.pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        callbacks = self.pending.pop(fullname)
+        hook = self
+
+        class _Loader(importlib.abc.Loader):
+            def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...
+                return getattr(loader, name)
+
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: ModuleType) -> None:
+                loader.exec_module(module)
+                if hook in sys.meta_path:  # the patcher is still live
+                    for callback in callbacks:
+                        callback(module)
+
+        spec.loader = _Loader()
+        return spec
 
 
 class Patcher:
@@ -19,6 +62,7 @@ class Patcher:
 
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
+        self._import_hook: Optional[_PostImportHook] = None
 
     def setattr(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name = value``, remembering how to put the old state back."""
@@ -44,6 +88,29 @@ class Patcher:
     def callback(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on undo (for state that is not an attribute)."""
         self._undo.append(fn)
+
+    def on_import(self, module_name: str, callback: Callable[[ModuleType], None]) -> None:
+        """Call ``callback(module)`` now if ``module_name`` is imported, else right after its first import.
+
+        The wait ends on undo: a module first imported afterwards is left alone.
+        Patches the callback makes through this patcher are undone with it.
+        """
+        module = sys.modules.get(module_name)
+        if module is not None:
+            callback(module)
+            return
+        if self._import_hook is None:
+            hook = self._import_hook = _PostImportHook()
+            sys.meta_path.insert(0, hook)
+
+            def remove() -> None:
+                hook.pending.clear()
+                if hook in sys.meta_path:
+                    sys.meta_path.remove(hook)
+                self._import_hook = None
+
+            self._undo.append(remove)
+        self._import_hook.pending.setdefault(module_name, []).append(callback)
 
     def undo(self) -> None:
         errors: list[BaseException] = []

@@ -172,7 +172,7 @@ def _diagnose(module: Any) -> str:
     from pytest_torchperf.checks import _tensors
 
     W = sys.modules["pytest_torchperf.watch"]
-    with watch() as run:
+    with watch():
         inside = (torch.randn, torch.Tensor.to, list(_tensors.move_listeners), W._patcher and len(W._patcher),
                   list(W.active_runs()), stacks.classify(module.__file__), stacks.classify._roots)
     return f"before: runs={W.active_runs()} patcher={W._patcher}; inside a watch: {inside}"

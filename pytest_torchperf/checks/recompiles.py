@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
 import re
 import sys
 from dataclasses import dataclass
@@ -341,53 +340,7 @@ def _attach(patcher: "Patcher", convert_frame: Any) -> None:
         patcher.callback(remove)
 
 
-class _AttachOnImport(importlib.abc.MetaPathFinder):
-    """Attaches to ``convert_frame`` right after it is executed, when dynamo is first imported during a run."""
-
-    def __init__(self, patcher: "Patcher") -> None:
-        self.patcher = patcher
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _CONVERT_FRAME:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-        hook = self
-
-        class _Loader(importlib.abc.Loader):
-            def __getattr__(self, name: str) -> Any:
-                return getattr(loader, name)
-
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: Any) -> None:
-                exec_module(module)
-                if hook in sys.meta_path:  # still watching
-                    sys.meta_path.remove(hook)
-                    _attach(hook.patcher, module)
-
-        spec.loader = _Loader()
-        return spec
-
-
 def install(patcher: "Patcher") -> None:
     """Attach to dynamo now if it is imported, else as soon as it is; undone by ``patcher``."""
     patcher.callback(lambda: _attached.__setitem__(0, None))
-    module = sys.modules.get(_CONVERT_FRAME)
-    if module is not None:
-        _attach(patcher, module)
-        return
-    hook = _AttachOnImport(patcher)
-    sys.meta_path.insert(0, hook)
-    patcher.callback(lambda: sys.meta_path.remove(hook) if hook in sys.meta_path else None)
+    patcher.on_import(_CONVERT_FRAME, lambda module: _attach(patcher, module))
