@@ -56,6 +56,7 @@ from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from .. import stacks
+from ..report import NOT_CHECKED, PASSED, CheckResult
 from ..stacks import PYTEST, STDLIB, TORCH, TORCHPERF, Frame, Stack
 from ..watch import FLAGS, active_runs
 
@@ -241,6 +242,23 @@ def over_budget(per_units: Iterable[dict[int, int]], outside: int, budget: Optio
     if budget is None:
         return worst, bool(per_step) or outside > 0
     return worst, worst > budget or outside > 0
+
+
+def clean_result(
+    name: str, run: "Run", total: int, seen: bool, passed: str, extras: list[str], findings: list, figures: dict
+) -> CheckResult:
+    """The verdict of a step check with nothing to fail: passed, or not checked when no step was seen.
+
+    ``passed`` is the summary's head (``"no sync in your code over 12 steps"``),
+    ``extras`` the notes that follow it (``"24 in lightning_fabric (noted)"``).
+    """
+    if total == 0 and run.options.scope != "test" and not seen:
+        summary = (
+            "no training step observed: mark steps with `with run.step():`, fit a LightningModule, "
+            "or use scope='test'"
+        )
+        return CheckResult(name, NOT_CHECKED, summary, 0, findings, figures)
+    return CheckResult(name, PASSED, passed + "".join(f"; {e}" for e in extras), 0, findings, figures)
 
 
 def owner_label(frame: Frame) -> str:

@@ -45,6 +45,7 @@ from ._tensors import (
     AllowList,
     Birth,
     Move,
+    clean_result,
     describe_frame,
     frequency,
     locate,
@@ -312,14 +313,8 @@ class DevicePlacementCheck:
             extras.append(f"{figures['framework_copies']} in {', '.join(owners)} (noted)")
         if allowed:
             extras.append(f"{figures['allowed_copies']} allowed")
-        extra = "".join(f"; {e}" for e in extras)
-        if total == 0 and run.options.scope != "test" and not copies:
-            summary = (
-                "no training step observed: mark steps with `with run.step():`, fit a LightningModule, "
-                "or use scope='test'"
-            )
-            return CheckResult(NAME, NOT_CHECKED, summary, 0, findings, figures)
-        return CheckResult(NAME, PASSED, f"no host-built tensor copied over {total} {steps}{extra}", 0, findings, figures)
+        passed = f"no host-built tensor copied over {total} {steps}"
+        return clean_result(NAME, run, total, bool(copies), passed, extras, findings, figures)
 
 
 def _short(stack: Stack) -> Stack:

@@ -52,6 +52,7 @@ from . import _tensors
 from ._tensors import (
     AllowList,
     Located,
+    clean_result,
     describe_frame,
     frequency,
     locate,
@@ -343,14 +344,8 @@ class HostSyncCheck:
             extras.append(f"{framework_count} in {', '.join(owners)} (noted)")
         if allowed_count:
             extras.append(f"{allowed_count} allowed")
-        extra = "".join(f"; {e}" for e in extras)
-        if total == 0 and run.options.scope != "test" and not sites:
-            summary = (
-                "no training step observed: mark steps with `with run.step():`, fit a LightningModule, "
-                "or use scope='test'"
-            )
-            return CheckResult(NAME, NOT_CHECKED, summary, 0, findings, figures)
-        return CheckResult(NAME, PASSED, f"no sync in your code over {total} {steps}{extra}", 0, findings, figures)
+        passed = f"no sync in your code over {total} {steps}"
+        return clean_result(NAME, run, total, bool(sites), passed, extras, findings, figures)
 
 
 def _short(stack: Stack) -> Stack:
