@@ -7,10 +7,7 @@ tested through ``pytester``.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
-import textwrap
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from pytest_torchperf import InvariantViolation, UsageError, parse_options, watch  # noqa: E402
 from pytest_torchperf.report import Report  # noqa: E402
+from step_check_helpers import batches, report_of, write_module  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -122,32 +120,6 @@ class Model(pl.LightningModule):
 """
 
 
-def write_module(tmp_path: Path, name: str, source: str) -> tuple[ModuleType, int]:
-    """Import ``source`` from ``tmp_path/name.py``; returns the module and the line marked ``# HERE``."""
-    path = tmp_path / f"{name}.py"
-    path.write_text(textwrap.dedent(source))
-    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if "# HERE" in text)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module, line
-
-
-def batches(n: int = 3) -> list[tuple[Any, Any]]:
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(4 * n, 8), torch.randn(4 * n, 1))
-    return list(DataLoader(data, batch_size=4))
-
-
-def report_of(fn: Any, *args: Any, **kwargs: Any) -> Report:
-    """Run ``fn`` (which watches) and return the report, failed or not."""
-    try:
-        run = fn(*args, **kwargs)
-    except InvariantViolation as exc:
-        return exc.report
-    return run.report
 
 
 def fit(module: ModuleType, steps: int = 2, **options: Any) -> Report:
