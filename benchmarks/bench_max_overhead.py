@@ -30,7 +30,6 @@ Targets (issue 5): false alarms <= 5%, detection >= 95%, added time <= 3 fits.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -56,9 +55,7 @@ from pytest_torchperf.timing import Stopwatch
 
 WIDTH, BATCH, BATCHES, EPOCHS = 512, 256, 8, 3
 #: Every other invariant off (those on by default), so only max_overhead is checked and paid for.
-ONLY_OVERHEAD = {
-    f.name: False for f in dataclasses.fields(Options) if f.default is True and not f.metadata.get("setting")
-}
+ONLY_OVERHEAD = {name: False for name in Options().enabled_checks}
 
 
 def make_loader() -> DataLoader:

@@ -9,30 +9,55 @@ Importing this package never imports torch; torch is imported when a run starts.
             with run.step():
                 ...
     print(run.report.render())
+
+Third-party invariants: declare an :class:`Invariant` with a :class:`Check`
+class (and, if they need to patch something of their own, a :class:`Probe`),
+and register it through the ``pytest_torchperf.invariants`` entry point group
+or :func:`register`.
 """
 
 from __future__ import annotations
 
-from .options import Options, UsageError, parse_options
-from .report import CheckResult, Finding, InvariantViolation, Report, Site
+from .arguments import Argument, Choice, Flag, Integer, Number, SiteList, UsageError
+from .core import EVENTS, Check, Run
+from .options import Options, parse_options
+from .probes import Probe
+from .registry import ENTRY_POINT_GROUP, Invariant, register, unregister
+from .report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, InvariantViolation, Report, Site
 from .timing import NotMirrored, ParityResult, parity, vanilla_fit
-from .watch import Run, watch
+from .watch import watch
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Argument",
+    "Check",
     "CheckResult",
+    "Choice",
+    "ENTRY_POINT_GROUP",
+    "EVENTS",
+    "FAILED",
     "Finding",
+    "Flag",
+    "Integer",
+    "Invariant",
     "InvariantViolation",
+    "NOT_CHECKED",
     "NotMirrored",
+    "Number",
     "Options",
+    "PASSED",
     "ParityResult",
+    "Probe",
     "Report",
     "Run",
     "Site",
+    "SiteList",
     "UsageError",
     "parity",
     "parse_options",
+    "register",
+    "unregister",
     "vanilla_fit",
     "watch",
     "__version__",

@@ -3,11 +3,19 @@
 Supports ``pytorch_lightning`` (1.5 to 2.x) and ``lightning.pytorch``. Neither is
 imported here: a Trainer class already imported is patched at once, one
 imported later during the run is patched as soon as its module is loaded.
+Every run needs this observer: it is installed with the first probe and sends
+``on_trainer_call`` / ``on_trainer_call_end`` to the checks.
 
-For a fit, the module's ``training_step`` is the step; the batch scope opens in
-a callback placed first in ``trainer.callbacks`` (``on_train_batch_start``) and
-closes after the module's own ``on_train_batch_end``. All of it, the callback
-included, is removed when the call returns.
+For a fit, the module's ``training_step`` is the step: it is wrapped on the
+module's *class* for the length of the call (never on the instance, so the
+module pickles, deep-copies and ``torch.save``\\ s exactly as it would; a copy's
+``training_step`` runs the copy). A module compiled with ``torch.compile`` is
+observed through the module it wraps. The batch scope opens when Lightning
+dispatches ``on_train_batch_start`` to the callbacks and closes after the
+module's own ``on_train_batch_end``: Lightning's hook dispatchers are wrapped
+for the call (``trainer.call`` in 2.x, the Trainer's methods in 1.x), so
+nothing is added to ``trainer.callbacks``. All of it is undone when the call
+returns.
 
 For checks that replay a fit (``max_overhead``): the arguments of the call in
 flight (:func:`current_call`) and of the ``Trainer(...)`` that made it, when it
@@ -19,22 +27,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
+import inspect
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+from . import core
 from .patching import Patcher
-from .watch import active_runs
 
 __all__ = ["install", "current_trainer", "current_call", "trainer_init_args", "unobserved", "stage_label"]
 
-#: Trainer module -> the package whose ``callbacks.Callback`` goes with it.
+#: Trainer module -> the package it belongs to.
 _TRAINER_MODULES = {
     "pytorch_lightning.trainer.trainer": "pytorch_lightning",
     "lightning.pytorch.trainer.trainer": "lightning.pytorch",
 }
 _TRAINER_CALLS = ("fit", "validate", "test", "predict")
+#: Lightning's hook dispatchers: module functions of ``<package>.trainer.call`` (2.x) or Trainer methods (1.x).
+_CALLBACK_DISPATCHERS = ("_call_callback_hooks", "call_hook")
+_MODULE_DISPATCHERS = ("_call_lightning_module_hook", "call_hook")
 
 #: Trainers inside an observed call, innermost last.
 _trainers: list[Any] = []
@@ -104,100 +116,117 @@ def stage_label() -> Optional[tuple[str, bool]]:
     return " ".join(parts), False
 
 
-def _dispatch(event: str) -> None:
-    for run in active_runs():
-        getattr(run, event)()
+def _each_run(method: str) -> None:
+    for run in list(core.active_runs()):
+        getattr(run, method)()
 
 
-def _make_callback(package: str) -> Any:
-    """A Callback subclass of ``package`` that opens the batch scope first thing."""
-    base = importlib.import_module(f"{package}.callbacks").Callback
+def _wrap_step(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``training_step`` that marks the step for every active run (a plain function: it binds like the original)."""
 
-    class TorchperfBatchScope(base):  # type: ignore[misc, valid-type]
-        """Opens torchperf's batch scope; placed first so user callbacks run inside it."""
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
-            _dispatch("_batch_started")
-
-        def on_train_epoch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
-            _dispatch("_batch_ended")
-
-    return TorchperfBatchScope
-
-
-def _wrap_hook(name: str, fn: Callable[..., Any], before: Optional[str], after: Optional[str]) -> Callable[..., Any]:
     @functools.wraps(fn)
-    def hook(*args: Any, **kwargs: Any) -> Any:
+    def training_step(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # a user's exception shows the user's frames, not ours
-        if before:
-            _dispatch(before)
+        _each_run("step_started")
         try:
             return fn(*args, **kwargs)
         finally:
-            if after:
-                _dispatch(after)
+            _each_run("step_ended")
 
-    hook.__torchperf_hook__ = name  # type: ignore[attr-defined]
-    return hook
+    training_step.__torchperf_hook__ = "training_step"  # type: ignore[attr-defined]
+    return training_step
 
 
-def _attach_to_fit(patcher: Patcher, trainer: Any, model: Any, callback_cls: Any, batch_scope: bool) -> None:
+def _wrap_dispatcher(fn: Callable[..., Any], role: str, bound: bool) -> Callable[..., Any]:
+    """Lightning's hook dispatcher, opening the batch scope before ``on_train_batch_start`` reaches the
+    callbacks and closing it after ``on_train_batch_end`` reached the module (``role``: which dispatcher).
+    ``bound``: a Trainer method (1.x), whose first argument after ``self`` is the hook's name."""
+
+    @functools.wraps(fn)
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        hook = args[1] if len(args) > 1 else kwargs.get("hook_name")
+        if hook == "on_train_batch_start" and role in ("callbacks", "both"):
+            _each_run("batch_started")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if (hook == "on_train_batch_end" and role in ("module", "both")) or hook == "on_train_epoch_end":
+                _each_run("batch_ended")
+
+    return dispatch
+
+
+def _module_class(model: Any) -> Optional[type]:
+    """The class whose ``training_step`` runs: the module's, or the one ``torch.compile`` wraps."""
+    inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+    target = inner if inner is not None and hasattr(inner, "training_step") else model
+    if "training_step" in getattr(target, "__dict__", {}):
+        return None  # an instance attribute: wrapping the class would not see it
+    return type(target)
+
+
+def _attach_to_fit(patcher: Patcher, trainer: Any, model: Any, package: str, batch_scope: bool) -> None:
     """Make the model's training_step the step; with ``batch_scope``, open/close the batch scope too.
 
-    The callback is only added when a run asks for the batch scope: Lightning
-    calls every hook of every callback, and a fit should pay for that only
-    when it is needed.
+    The hook dispatchers are only wrapped when a run asks for the batch scope:
+    Lightning dispatches dozens of hooks per batch, and a fit should pay for
+    that only when it is needed.
     """
-    step = getattr(model, "training_step", None)
-    if callable(step):
-        patcher.setattr(model, "training_step", _wrap_hook("training_step", step, "_step_started", "_step_ended"))
+    cls = _module_class(model)
+    raw = inspect.getattr_static(cls, "training_step", None) if cls is not None else None
+    if isinstance(raw, (staticmethod, classmethod)):
+        patcher.setattr(cls, "training_step", type(raw)(_wrap_step(raw.__func__)))
+    elif inspect.isfunction(raw):
+        patcher.setattr(cls, "training_step", _wrap_step(raw))
     if not batch_scope:
         return
-    batch_end = getattr(model, "on_train_batch_end", None)
-    if callable(batch_end):
-        patcher.setattr(model, "on_train_batch_end", _wrap_hook("on_train_batch_end", batch_end, None, "_batch_ended"))
-    callbacks = getattr(trainer, "callbacks", None)
-    if isinstance(callbacks, list):
-        callback = callback_cls()
-        callbacks.insert(0, callback)
-
-        def remove() -> None:
-            current = getattr(trainer, "callbacks", None)
-            if isinstance(current, list) and any(c is callback for c in current):
-                current[:] = [c for c in current if c is not callback]
-
-        patcher.callback(remove)
+    call_module = sys.modules.get(f"{package}.trainer.call")
+    owners: list[tuple[Any, bool]] = []
+    if call_module is not None and hasattr(call_module, "_call_callback_hooks"):
+        owners.append((call_module, False))  # Lightning 2.x: module functions
+    else:
+        owners.append((type(trainer), True))  # Lightning 1.x: Trainer methods
+    for owner, bound in owners:
+        callbacks = next((n for n in _CALLBACK_DISPATCHERS if callable(getattr(owner, n, None))), None)
+        module_hook = next((n for n in _MODULE_DISPATCHERS if callable(getattr(owner, n, None))), None)
+        if callbacks is not None and callbacks == module_hook:
+            patcher.wrap(owner, callbacks, lambda fn: _wrap_dispatcher(fn, "both", bound))
+            continue
+        if callbacks is not None:
+            patcher.wrap(owner, callbacks, lambda fn: _wrap_dispatcher(fn, "callbacks", bound))
+        if module_hook is not None:
+            patcher.wrap(owner, module_hook, lambda fn: _wrap_dispatcher(fn, "module", bound))
 
 
 def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) -> Callable[..., Any]:
-    callback_cls: list[Any] = []
-
     @functools.wraps(original)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # a user's exception shows the user's frames, not ours
-        runs = list(active_runs())
+        runs = list(core.active_runs())
         if not runs or _unobserved[0] or any(t is self for t in _trainers):
             return original(self, *args, **kwargs)
         local = Patcher()
-        _trainers.append(self)
-        local.callback(_trainers.pop)
-        _calls.append(TrainerCall(kind, self, package, args, dict(kwargs)))
-        local.callback(_calls.pop)
         model = args[0] if args else kwargs.get("model")
         try:
+            _trainers.append(self)
+            local.callback(_trainers.pop)
+            _calls.append(TrainerCall(kind, self, package, args, dict(kwargs)))
+            local.callback(_calls.pop)
             for run in runs:
-                run._trainer_call_started(kind, self, model)
+                run.notify("on_trainer_call", kind, self, model)
             if kind == "fit" and model is not None:
-                if not callback_cls:
-                    callback_cls.append(_make_callback(package))
-                batch_scope = any(run.options.scope == "batch" for run in runs)
-                _attach_to_fit(local, self, model, callback_cls[0], batch_scope)
+                batch_scope = any(run.scope == "batch" for run in runs)
+                _attach_to_fit(local, self, model, package, batch_scope)
+        except Exception as exc:  # noqa: BLE001 - never into the user's code
+            core.probe_failed("lightning", exc)
+        try:
             return original(self, *args, **kwargs)
         finally:
             local.undo()
             for run in runs:
-                run._batch_ended()
-                run._trainer_call_ended(kind, self, model)
+                run.batch_ended()
+                run.notify("on_trainer_call_end", kind, self, model)
 
     return call
 
@@ -206,11 +235,13 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         __tracebackhide__ = True
-        if active_runs() and not _unobserved[0]:
+        if core.active_runs() and not _unobserved[0]:
             # Lists copied: pytorch-lightning 1.x appends its own callbacks to the list it was given.
-            recorded = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
-            with contextlib.suppress(TypeError):
+            try:
+                recorded = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
                 _init_args[self] = (tuple(list(a) if isinstance(a, list) else a for a in args), recorded)
+            except Exception:  # noqa: BLE001 - an unhashable Trainer subclass: no replay for it
+                pass
         original(self, *args, **kwargs)
 
     return __init__
@@ -227,6 +258,11 @@ def _patch_trainer(patcher: Patcher, trainer_cls: Any, package: str) -> None:
 def install(patcher: Patcher) -> None:
     """Patch the Lightning Trainer classes already imported; patch the others when they are imported."""
     for module_name, package in _TRAINER_MODULES.items():
-        patcher.on_import(
-            module_name, lambda module, package=package: _patch_trainer(patcher, module.Trainer, package)
-        )
+
+        def attach(module: Any, package: str = package) -> None:
+            try:
+                _patch_trainer(patcher, module.Trainer, package)
+            except Exception as exc:  # noqa: BLE001 - never into the user's import
+                core.probe_failed("lightning", exc)
+
+        patcher.on_import(module_name, attach)

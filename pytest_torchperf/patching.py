@@ -2,7 +2,10 @@
 
 An attribute that was inherited (not in the owner's own ``__dict__``) is
 deleted on undo rather than re-set, so a patched class ends up with the very
-same ``__dict__`` it started with.
+same ``__dict__`` it started with. A dunder method set on a class also keeps
+the class's CPython type slots as they were, during the patch and after it
+(see :mod:`pytest_torchperf._slots`): a patched ``torch.Tensor.__getitem__``
+never turns tensors into sequences.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-__all__ = ["Patcher"]
+from . import _slots
+
+__all__ = ["Patcher", "SlotPatchUnsupported"]
+
+
+class SlotPatchUnsupported(RuntimeError):
+    """This interpreter does not let a twin-slot dunder (``__getitem__``...) be patched without side effects."""
 
 _MISSING = object()
 
@@ -63,11 +72,22 @@ class Patcher:
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
         self._import_hook: Optional[_PostImportHook] = None
+        self._guards: dict[type, _slots.SlotGuard] = {}
+        #: ``(owner, name, original or _MISSING, patched value)`` of every setattr, for lift()/relay().
+        self._set: list[tuple[Any, str, Any, Any]] = []
 
     def setattr(self, owner: Any, name: str, value: Any) -> None:
-        """Set ``owner.name = value``, remembering how to put the old state back."""
+        """Set ``owner.name = value``, remembering how to put the old state back.
+
+        Raises :class:`SlotPatchUnsupported` (and sets nothing) for a name such as
+        ``__getitem__`` on a class when this interpreter's type slots cannot be kept.
+        """
+        guard = self._guard(owner, name)
         own = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
         setattr(owner, name, value)
+        if guard is not None:
+            guard.patched(name)
+        self._set.append((owner, name, own, value))
 
         def restore() -> None:
             if own is _MISSING:
@@ -79,6 +99,30 @@ class Patcher:
                 setattr(owner, name, own)
 
         self._undo.append(restore)
+
+    def _guard(self, owner: Any, name: str) -> Optional[_slots.SlotGuard]:
+        """The slot guard of class ``owner`` when ``name`` is a dunder (created before its first patch)."""
+        if not (isinstance(owner, type) and name.startswith("__") and name.endswith("__")):
+            return None
+        guard = self._guards.get(owner)
+        if guard is not None:
+            return guard
+        why = _slots.supported()
+        if why or not owner.__flags__ & (1 << 9):  # not a heap type: CPython leaves its slots alone
+            if name in _slots.TWIN_NAMES:
+                raise SlotPatchUnsupported(
+                    f"cannot patch {owner.__qualname__}.{name} without changing how its instances behave "
+                    f"on {why or 'a static type'}"
+                )
+            return None
+        guard = self._guards[owner] = _slots.SlotGuard(owner)
+        self._undo.append(guard.restore)  # runs after every patch of this class is undone
+
+        def forget() -> None:
+            self._guards.pop(owner, None)
+
+        self._undo.append(forget)
+        return guard
 
     def wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         """Replace ``owner.name`` by ``make(original)``."""
@@ -112,16 +156,36 @@ class Patcher:
             self._undo.append(remove)
         self._import_hook.pending.setdefault(module_name, []).append(callback)
 
-    def undo(self) -> None:
+    def lift(self) -> None:
+        """Put every attribute this patcher set back for a moment (see :meth:`relay`)."""
+        for owner, name, own, _ in reversed(self._set):
+            if own is _MISSING:
+                if name in vars(owner):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+        for guard in self._guards.values():
+            guard.restore()
+
+    def relay(self) -> None:
+        """Set again what :meth:`lift` put back."""
+        for owner, name, _, value in self._set:
+            setattr(owner, name, value)
+            guard = self._guards.get(owner) if isinstance(owner, type) else None
+            if guard is not None:
+                guard.patched(name)
+
+    def undo(self) -> list[BaseException]:
+        """Undo everything, newest first; returns the errors of actions that failed (the rest still ran)."""
         errors: list[BaseException] = []
+        self._set.clear()
         while self._undo:
             action = self._undo.pop()
             try:
                 action()
             except Exception as exc:  # keep undoing the rest, then report
                 errors.append(exc)
-        if errors:
-            raise errors[0]
+        return errors
 
     def __len__(self) -> int:
         return len(self._undo)

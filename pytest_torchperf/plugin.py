@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import shutil
 import sys
@@ -27,10 +26,13 @@ from typing import Any, Callable, Generator, Iterator, Optional
 import pytest
 
 from . import results, stacks
-from .options import OVERHEAD_ROUNDS, SCOPES, Options, UsageError, _suggest, describe_options, parse_options
+from .arguments import UsageError, suggest
+from .options import OVERHEAD_ROUNDS, SCOPES, Options, describe_options, parse_options
 from .report import FAILED, NOT_CHECKED, InvariantViolation, Report
 from .timing import ParityResult, parity
-from .watch import Run, _watching
+from .core import Run
+from .watch import stop as _stop_run
+from .watch import watching
 
 MARKER = "torchperf"
 #: Environment variable naming the file lock that serialises timed sections across xdist workers.
@@ -57,7 +59,7 @@ class Settings:
 def _scope_arg(value: str) -> str:
     if value not in SCOPES:
         raise argparse.ArgumentTypeError(
-            f"must be one of {', '.join(SCOPES)}, got {value!r}{_suggest(value, SCOPES)}"
+            f"must be one of {', '.join(SCOPES)}, got {value!r}{suggest(value, SCOPES)}"
         )
     return value
 
@@ -228,7 +230,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     options = item.stash.get(_OPTIONS, None)
     if options is None:
         return (yield)
-    with _watching(options) as run:
+    with watching(options) as run:
         item.stash[_RUNS].append(("marker", run))
         result = yield
     _verdict(item.config, run)
@@ -269,7 +271,7 @@ class TorchperfFailure:
 
 def _run_data(source: str, run: Any) -> dict[str, Any]:
     """A finished run (a :class:`Run`, or a fixture comparison) as plain data."""
-    options = run.options if isinstance(run.options, dict) else dataclasses.asdict(run.options)
+    options = run.options if isinstance(run.options, dict) else run.options.to_dict()
     data = {"source": source, "options": options}
     data.update(run.report.to_dict())
     return data
@@ -385,7 +387,7 @@ class TorchperfFixture:
         """
         parse_options(kwargs, where="torchperf.watch()")  # the caller's own mistakes, named as theirs
         options = parse_options({**_session_defaults(self._item.config), **kwargs}, where="torchperf.watch()")
-        with _watching(options) as run:
+        with watching(options) as run:
             self._open.append(run)
             self._item.stash.setdefault(_RUNS, []).append(("fixture", run))
             try:
@@ -429,7 +431,7 @@ class TorchperfFixture:
     def _close(self) -> None:
         """Stop runs the test left open (a watch entered by hand and never exited)."""
         while self._open:
-            self._open.pop()._stop()
+            _stop_run(self._open.pop())
 
 
 @pytest.fixture

@@ -151,6 +151,8 @@ class Report:
 
     checks: dict[str, CheckResult] = field(default_factory=dict)
     steps: int = 0
+    #: Probe (or ``check <name>``) -> the error in torchperf's own code that made checks "not checked".
+    internal_errors: dict[str, str] = field(default_factory=dict)
 
     @property
     def failures(self) -> list[CheckResult]:
@@ -172,10 +174,6 @@ class Report:
         noun = "invariant" if len(failures) == 1 else "invariants"
         return f"torchperf: {len(failures)} {noun} broken: " + "; ".join(parts)
 
-    def status_line(self) -> str:
-        """One line per test for the terminal summary: each invariant and its key figure."""
-        return " | ".join(f"{c.name}: {c.status} ({c.summary})" for c in self.checks.values())
-
     def blocks(self, verbose: bool = False) -> list[Block]:
         blocks = [Block(None, [self.summary_line()])]
         for check in self.failures:
@@ -185,6 +183,12 @@ class Report:
             blocks.append(
                 Block(None, [f"{c.name}: {c.status} ({c.summary})" for c in others])
             )
+        if self.internal_errors:
+            blocks.append(Block(None, [
+                f"torchperf internal error in {_what(where)}: {message} (your code ran as if unwatched; "
+                "please report it)"
+                for where, message in self.internal_errors.items()
+            ]))
         return blocks
 
     def render(self, verbose: bool = False, width: int = 80) -> str:
@@ -200,7 +204,12 @@ class Report:
             "passed": self.passed,
             "steps": self.steps,
             "checks": {name: c.to_dict() for name, c in self.checks.items()},
+            "internal_errors": dict(self.internal_errors),
         }
+
+
+def _what(where: str) -> str:
+    return where if where.startswith("check ") or where == "undo" else f"probe {where}"
 
 
 def _sep(title: str, width: int) -> str:

@@ -14,7 +14,7 @@ import site
 import sys
 import sysconfig
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 __all__ = ["Frame", "Stack", "capture", "site_of", "format_stack", "display_path"]
 
@@ -259,14 +259,3 @@ def format_stack(
         if src:
             lines.append(f"{indent}      {src}")
     return lines
-
-
-def distinct(stacks: Iterable[Stack]) -> list[Stack]:
-    """Unique stacks in first-seen order."""
-    seen = set()
-    out = []
-    for s in stacks:
-        if s not in seen:
-            seen.add(s)
-            out.append(s)
-    return out

@@ -22,17 +22,11 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
-# The same for the plugin's check modules (imported lazily when a run starts): a
-# test module importing one of them keeps the package alive across inner runs,
-# while a sibling first imported inside a run would be dropped and re-imported,
-# leaving two copies of its state.
-import importlib  # noqa: E402
-import pkgutil  # noqa: E402
+# The plugin's invariants and probes are loaded by the registry when a run first
+# needs them; load them once here, so in-process inner runs share them.
+from pytest_torchperf import registry  # noqa: E402
 
-import pytest_torchperf.checks  # noqa: E402
-
-for _module in pkgutil.iter_modules(pytest_torchperf.checks.__path__):
-    importlib.import_module(f"pytest_torchperf.checks.{_module.name}")
+registry.invariants()
 
 MODELS = textwrap.dedent(
     '''

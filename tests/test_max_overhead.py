@@ -7,7 +7,6 @@ or synthetic epoch times so the file stays fast on two cores.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import os
@@ -43,9 +42,7 @@ from pytest_torchperf.timing import (  # noqa: E402
 )
 
 #: Every other invariant off (those on by default), so only max_overhead is checked and paid for.
-ONLY_OVERHEAD = {
-    f.name: False for f in dataclasses.fields(Options) if f.default is True and not f.metadata.get("setting")
-}
+ONLY_OVERHEAD = {name: False for name in Options().enabled_checks}
 
 
 @pytest.fixture(autouse=True)

@@ -525,7 +525,7 @@ def test_lightning_logging_with_prog_bar_passes_with_its_syncs_noted(tmp_path: P
     noted = [e for e in events(report) if e["code"] == "framework"]
     assert noted and check.figures["framework_syncs"] == sum(e["count"] for e in noted)
     assert {e["operation"] for e in noted} == {"item"}  # the progress bar reads the logged values
-    assert check.summary.startswith("no sync in your code over 3 steps; ")
+    assert check.summary.startswith("no sync in your code over 3 batches; ")
     assert "(noted)" in check.summary
     assert all(f.title.startswith("note: ") for f in check.findings)
     assert "fail_on_framework_syncs=True" in check.findings[0].facts[-1]
@@ -722,7 +722,7 @@ def test_torch_is_pristine_after_passed_failed_and_crashed_runs(user_models: pyt
         import torch.nn.functional as F
         import torch.optim.optimizer as optimizer_module
         import warnings
-        from pytest_torchperf.watch import FLAGS
+        from pytest_torchperf.core import FLAGS
 
         def snapshot():
             return {
@@ -761,8 +761,8 @@ def test_torch_is_pristine_after_passed_failed_and_crashed_runs(user_models: pyt
             assert torch.Tensor.item is ITEM
             assert "item" not in vars(torch.Tensor) and "__bool__" not in vars(torch.Tensor)
             assert not FLAGS.active and not FLAGS.in_scope
-            from pytest_torchperf.checks import _tensors
-            assert _tensors._births == {}
+            from pytest_torchperf.probes.tensors import PROBE
+            assert PROBE.births == {}
         """
     )
     result = user_models.runpytest("-p", "no:randomly")

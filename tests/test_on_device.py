@@ -141,14 +141,13 @@ def fit(module: Any, steps: int = 2, **options: Any) -> Report:
 
 
 def _diagnose(module: Any) -> str:
-    from pytest_torchperf import stacks
-    from pytest_torchperf.checks import _tensors
+    from pytest_torchperf import core, stacks
+    from pytest_torchperf.watch import installed_probes
 
-    W = sys.modules["pytest_torchperf.watch"]
     with watch():
-        inside = (torch.randn, torch.Tensor.to, list(_tensors.move_listeners), W._patcher and len(W._patcher),
-                  list(W.active_runs()), stacks.classify(module.__file__), stacks.classify._roots)
-    return f"before: runs={W.active_runs()} patcher={W._patcher}; inside a watch: {inside}"
+        inside = (torch.randn, torch.Tensor.to, installed_probes(), list(core.active_runs()),
+                  stacks.classify(module.__file__), stacks.classify._roots)
+    return f"before: runs={core.active_runs()} probes={installed_probes()}; inside a watch: {inside}"
 
 
 def events(report: Report) -> list[dict[str, Any]]:

@@ -94,6 +94,8 @@ def test_everything_patched_is_restored_after_passed_failed_and_crashed_tests(us
                 "loader": dict(vars(DataLoader)),
                 "pool": dict(vars(_MultiProcessingDataLoaderIter)),
                 "trainer": dict(vars(pl.Trainer)),
+                "module_class": dict(vars(TinyModule)),
+                "hook_dispatch": dict(vars(sys.modules[pl.__name__ + ".trainer.call"])),
                 "meta_path": list(sys.meta_path),
             }
 
@@ -110,7 +112,7 @@ def test_everything_patched_is_restored_after_passed_failed_and_crashed_tests(us
         def test_fails(tmp_path):
             make_trainer(tmp_path, max_epochs=2).fit(TinyModule(), make_loader(persistent_workers=False))
 
-        @pytest.mark.torchperf
+        @pytest.mark.torchperf(scope="batch")
         def test_crashes(tmp_path):
             class Broken(TinyModule):
                 def training_step(self, batch, batch_idx):
@@ -125,7 +127,7 @@ def test_everything_patched_is_restored_after_passed_failed_and_crashed_tests(us
             assert "training_step" not in vars(MODEL)
             assert "on_train_batch_end" not in vars(MODEL)
             assert not [c for c in TRAINER["t"].callbacks if "Torchperf" in type(c).__name__]
-            from pytest_torchperf.watch import active_runs
+            from pytest_torchperf.core import active_runs
             assert active_runs() == []
         """
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from seed_tips_models import Regressor, loader, report_of, train, trainer
 
-from pytest_torchperf.checks import precision
+from pytest_torchperf.invariants import mixed_precision as precision
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -20,7 +20,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture
 def cpu_as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision, "ACCELERATORS", ("cpu",))
-    monkeypatch.setattr(precision, "accelerator_available", lambda: True)
+    monkeypatch.setattr(precision, "cuda_available", lambda: True)
 
 
 def _autocast_forward(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -43,13 +43,13 @@ def test_float32_lightning_fit_fails_with_the_trainer_hint(user_models: pytest.P
     user_models.makepyfile(
         test_fit="""
         import pytest
-        from pytest_torchperf.checks import precision
+        from pytest_torchperf.invariants import mixed_precision as precision
         from torchperf_models import TinyModule, make_loader, make_trainer
 
         @pytest.mark.torchperf(mixed_precision=True)
         def test_fit(tmp_path, monkeypatch):
             monkeypatch.setattr(precision, "ACCELERATORS", ("cpu",))  # the CPU stands in for CUDA
-            monkeypatch.setattr(precision, "accelerator_available", lambda: True)
+            monkeypatch.setattr(precision, "cuda_available", lambda: True)
             make_trainer(tmp_path, max_epochs=2).fit(TinyModule(), make_loader(num_workers=0))
         """
     )

@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 from seed_tips_models import Regressor, loader, report_of, train, trainer
 
-from pytest_torchperf.checks.recompiles import parse_reason
+from pytest_torchperf.invariants.no_recompiles import parse_reason
 from pytest_torchperf.report import FAILED, PASSED
 
 

@@ -227,13 +227,14 @@ def test_everything_patched_is_pristine_after_passed_failed_and_crashed_tests(us
         def test_everything_is_pristine():
             torch._dynamo.reset()
             assert snapshot() == BEFORE
-            from pytest_torchperf.checks import _loaders, data_parallel, grads, recompiles
-            from pytest_torchperf.watch import active_runs
-            assert active_runs() == []
-            assert len(_loaders._created) == 0 and len(_loaders._loader_of) == 0
-            assert len(data_parallel._created) == 0
-            assert grads._grad_owners == {} and grads._inside_zero_grad == [0]
-            assert recompiles._attached == [None]
+            from pytest_torchperf.core import active_runs
+            from pytest_torchperf.probes import data_parallel, grads, loaders, recompiles
+            from pytest_torchperf.watch import installed_probes
+            assert active_runs() == [] and installed_probes() == ()
+            assert len(loaders.PROBE.created) == 0 and len(loaders.PROBE.loader_of) == 0
+            assert len(data_parallel.PROBE.created) == 0
+            assert grads.PROBE.grad_owners == {} and grads.PROBE.inside_zero_grad == 0
+            assert recompiles.PROBE.attached is None
         """
     )
     result = user_models.runpytest("-p", "no:warnings", "-p", "no:randomly")

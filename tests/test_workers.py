@@ -6,7 +6,8 @@ import pytest
 import torch
 from seed_tips_models import Regressor, loader, report_of, train, trainer
 
-from pytest_torchperf.checks import _loaders, workers
+from pytest_torchperf.invariants import pin_memory as workers
+from pytest_torchperf.probes import loaders as _loaders
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -17,7 +18,7 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only ve
 def cpu_as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let the CPU stand in for CUDA, so the CUDA verdict runs for real on a CPU-only machine."""
     monkeypatch.setattr(workers, "ACCELERATORS", ("cpu",))
-    monkeypatch.setattr(workers, "accelerator_available", lambda: True)
+    monkeypatch.setattr(workers, "cuda_available", lambda: True)
 
 
 # -- min_workers ------------------------------------------------------------------------
@@ -157,7 +158,7 @@ def test_pin_memory_passes_pinned_loaders(tmp_path, cpu_as_accelerator) -> None:
 
 
 def test_pin_memory_is_not_applicable_when_nothing_trained_on_the_accelerator(monkeypatch) -> None:
-    monkeypatch.setattr(workers, "accelerator_available", lambda: True)  # a GPU machine, a CPU-only test
+    monkeypatch.setattr(workers, "cuda_available", lambda: True)  # a GPU machine, a CPU-only test
     check = report_of(lambda run: train(run, torch.nn.Linear(8, 1), loader()), pin_memory=True)["pin_memory"]
     assert check.status == NOT_CHECKED
     assert check.summary == "not applicable: no optimizer stepped parameters on a CUDA device"

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from .. import lightning
-from ..watch import suspended
+from ..core import suspended
 from ..timing import (
     WARMUP_BATCHES,
     LoadMeter,
@@ -70,7 +70,7 @@ from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import USER, Frame, Stack, capture, classify, display_path
 
 if TYPE_CHECKING:
-    from ..watch import Run
+    from ..core import Run
 
 NAME = "max_overhead"
 NAMES = ("Lightning fit", "vanilla loop")

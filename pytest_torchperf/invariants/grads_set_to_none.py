@@ -6,10 +6,10 @@ place (``zero_grad(set_to_none=False)``, ``p.grad.zero_()``) costs a memset per
 parameter per step, then makes the backward *accumulate* (read + add + write)
 into the zeros, and keeps the gradients' memory alive between steps.
 
-Three probes while a run is active (the whole run: Lightning zeroes gradients
-outside ``training_step``, so ``scope`` does not narrow this check):
+What is seen (the whole run: Lightning zeroes gradients outside
+``training_step``, so ``scope`` does not narrow this check):
 
-- ``Optimizer.zero_grad`` and ``Module.zero_grad`` are wrapped: a call with
+- ``Optimizer.zero_grad`` and ``Module.zero_grad`` are wrapped (:mod:`pytest_torchperf.probes.grads`): a call with
   ``set_to_none=False`` is recorded with its stack;
 - ``Tensor.zero_`` is wrapped: zeroing a tensor that is (or aliases, like
   ``p.grad.data``) the current gradient of a parameter some optimizer stepped
@@ -17,7 +17,7 @@ outside ``training_step``, so ``scope`` does not narrow this check):
   indexed by storage address, lazily: at the first ``zero_`` call after each
   optimizer step (so a program that never calls ``zero_`` pays nothing), and a
   hit is confirmed against the parameter's current ``.grad``;
-- the optimizer step hook (:mod:`._optimizers`) compares each parameter's
+- the optimizer step hook (:mod:`pytest_torchperf.probes.optimizers`) compares each parameter's
   gradient with the one the previous step of that optimizer consumed: the
   *same tensor object* means it was never set to None in between (zeroed in
   place by any means, or never cleared), even where no call above was seen
@@ -30,41 +30,32 @@ them) should leave this invariant off.
 
 from __future__ import annotations
 
-import functools
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from ..arguments import Flag
+from ..core import Check
+from ..probes import optimizers as _optimizers
+from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import Stack, capture
-from ..watch import FLAGS, active_runs
-from . import _optimizers
 
 if TYPE_CHECKING:
-    from ..patching import Patcher
-    from ..watch import Run
+    from ..core import Run
 
 NAME = "grads_set_to_none"
 
 ZERO_GRAD = "zero_grad"
 MANUAL = "manual"
 
-#: Gradient storage address -> (parameter, gradient shape), rebuilt lazily (see ``_index``).
-_grad_owners: "dict[int, tuple[weakref.ref, tuple]]" = {}
-#: The optimizers that stepped while a run checked this invariant.
-_optimizers_seen: "weakref.WeakSet[Any]" = weakref.WeakSet()
-#: [optimizer steps seen, steps when ``_grad_owners`` was last built].
-_generation = [0, -1]
-#: > 0 inside a wrapped zero_grad (its own in-place zeroing is that call's, not a manual one).
-_inside_zero_grad = [0]
 
-
-class GradsCheck:
+class GradsCheck(Check):
     """Per-run state and verdict of ``grads_set_to_none``."""
 
     name = NAME
 
     def __init__(self, run: "Run") -> None:
-        self.run = run
+        super().__init__(run)
         self.events: dict[str, list[Site]] = {ZERO_GRAD: [], MANUAL: []}
         self.shapes: set[str] = set()
         self.optimizer_steps = 0
@@ -182,120 +173,11 @@ class GradsCheck:
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
-def _checks() -> list[GradsCheck]:
-    out = []
-    for run in active_runs():
-        check = run.checks.get(NAME) if run.active else None
-        if check is not None:
-            out.append(check)  # type: ignore[arg-type]
-    return out
-
-
-# -- probe ------------------------------------------------------------------------
-
-
-def _index() -> "dict[int, tuple[weakref.ref, tuple]]":
-    """The gradient index, rebuilt once per optimizer step, when a ``zero_`` call first needs it."""
-    if _generation[1] != _generation[0]:
-        _generation[1] = _generation[0]
-        _grad_owners.clear()
-        for optimizer in list(_optimizers_seen):
-            for p in _optimizers.parameters(optimizer):
-                grad = p.grad
-                if grad is not None and grad.layout is _strided[0]:
-                    ptr = grad.data_ptr()
-                    if ptr:
-                        _grad_owners[ptr] = (weakref.ref(p), tuple(grad.shape))
-    return _grad_owners
-
-
-_strided: list[Any] = [None]
-
-
-def _is_compiling_function() -> Callable[[], bool]:
-    import torch
-
-    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if fn is None:  # pragma: no cover - torch < 2.3
-        fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
-    return fn or (lambda: False)
-
-
-def install(patcher: "Patcher") -> None:
-    """Wrap the zeroing calls and index gradients for the active runs; undone by ``patcher``."""
-    import importlib
-
-    import torch
-
-    flags = FLAGS
-    is_compiling = _is_compiling_function()
-    inside = _inside_zero_grad
-    _strided[0] = torch.strided
-
-    def wrap_zero_grad(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
-            __tracebackhide__ = True
-            if not is_compiling() and flags.active:
-                set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-                if not set_to_none:
-                    checks = _checks()
-                    if checks:
-                        stack = capture(2)
-                        for check in checks:
-                            check.on_zero_grad(type(self).__name__, stack)
-            inside[0] += 1
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                inside[0] -= 1
-
-        return zero_grad
-
-    def wrap_zero_(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def zero_(self: Any) -> Any:
-            # is_compiling() first: under torch.compile this wrapper is traced, and reading the
-            # flags would make the compiled code guard on torchperf's state.
-            if not is_compiling() and flags.active and _optimizers_seen and not inside[0]:
-                try:
-                    ptr = self.data_ptr()
-                except Exception:  # tensors without storage (sparse, meta, subclasses)
-                    ptr = 0
-                owner = _index().get(ptr) if ptr else None
-                if owner is not None:
-                    param = owner[0]()
-                    grad = getattr(param, "grad", None)
-                    if grad is not None and grad.data_ptr() == ptr:
-                        checks = _checks()
-                        if checks:
-                            stack = capture(2)
-                            for check in checks:
-                                check.on_grad_zeroed(owner[1], stack)
-            return original(self)
-
-        return zero_
-
-    try:
-        optimizer_module = importlib.import_module("torch.optim.optimizer")
-        register = getattr(optimizer_module, "register_optimizer_step_post_hook", None)
-    except ImportError:  # pragma: no cover
-        register = None
-    if register is not None:
-
-        def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:  # a step post-hook
-            """Remember the optimizer and invalidate the gradient index (only while a run checks this)."""
-            if flags.active and _checks():
-                _generation[0] += 1
-                if optimizer not in _optimizers_seen:
-                    _optimizers_seen.add(optimizer)
-
-        handle = register(stepped)
-        patcher.callback(handle.remove)
-
-    patcher.wrap(torch.optim.Optimizer, "zero_grad", wrap_zero_grad)
-    patcher.wrap(torch.nn.Module, "zero_grad", wrap_zero_grad)
-    patcher.wrap(torch.Tensor, "zero_", wrap_zero_)
-    patcher.callback(_grad_owners.clear)
-    patcher.callback(_optimizers_seen.clear)
-    patcher.callback(lambda: _generation.__setitem__(slice(None), [0, -1]))
+INVARIANT = Invariant(
+    name=NAME,
+    doc="gradients are cleared by setting them to None: no zero_grad(set_to_none=False), no .grad.zero_()",
+    check=GradsCheck,
+    kind=Flag(),
+    default=False,
+    probes=("optimizers", "grads"),
+)

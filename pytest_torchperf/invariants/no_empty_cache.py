@@ -6,9 +6,9 @@ driver. It frees nothing your tensors hold; the next allocations go through
 loop makes every step pay for memory it already had. It is only worth it to
 leave memory to *another* process.
 
-The probe wraps ``torch.cuda.empty_cache`` (and ``torch.cuda.memory.empty_cache``,
-where it lives) while a run is active, so calls are counted on a CPU-only
-machine too, where the real function does nothing. Each call is attributed to
+The probe :mod:`pytest_torchperf.probes.cuda_cache` wraps ``torch.cuda.empty_cache``
+(and ``torch.cuda.memory.empty_cache``, where it lives), so calls are counted
+on a CPU-only machine too, where the real function does nothing. Each call is attributed to
 the innermost frame outside torch. Calls made by Lightning itself (once per
 Trainer call, when it restores a checkpoint state or tears down a CUDA
 accelerator) are listed in the figures, not blamed: they are not per step and
@@ -20,27 +20,28 @@ import empty_cache``) is not seen.
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
+from ..arguments import Flag
+from ..core import Check
+from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
-from ..stacks import FRAMEWORK, Stack, capture, site_of
-from ..watch import FLAGS, active_runs
+from ..stacks import FRAMEWORK, Stack, site_of
+from ..text import times
 
 if TYPE_CHECKING:
-    from ..patching import Patcher
-    from ..watch import Run
+    from ..core import Run
 
 NAME = "no_empty_cache"
 
 
-class EmptyCacheCheck:
+class EmptyCacheCheck(Check):
     """Per-run state and verdict of ``no_empty_cache``."""
 
     name = NAME
 
     def __init__(self, run: "Run") -> None:
-        self.run = run
+        super().__init__(run)
         self.calls: list[tuple[Stack, bool]] = []  # (stack, inside a step)
 
     def on_empty_cache(self, stack: Stack) -> None:
@@ -61,15 +62,15 @@ class EmptyCacheCheck:
         if not mine:
             summary = "no torch.cuda.empty_cache() call by your code"
             if framework:
-                summary += f" ({_times(len(framework))} by the framework, not counted)"
+                summary += f" ({times(len(framework))} by the framework, not counted)"
             return CheckResult(NAME, PASSED, summary, 0, [], figures)
         sites = merge_sites([Site("torch.cuda.empty_cache() called", s) for s, _ in mine])
-        title = f"torch.cuda.empty_cache() called {_times(len(mine))} by your code during the run"
+        title = f"torch.cuda.empty_cache() called {times(len(mine))} by your code during the run"
         facts = []
         if self.run.steps:
             facts.append(f"{in_steps} of these calls inside a training step ({self.run.steps} steps ran)")
         if framework:
-            facts.append(f"the framework made {_times(len(framework))} more (not counted)")
+            facts.append(f"the framework made {times(len(framework))} more (not counted)")
         hint = (
             "empty_cache() frees no memory your tensors hold: it returns PyTorch's cached blocks to the "
             "driver, so the next allocations call cudaMalloc again (slow, and it synchronises). Remove it "
@@ -85,33 +86,11 @@ def _whose(stack: Stack) -> str:
     return frame.kind if frame is not None else ""
 
 
-def _times(n: int) -> str:
-    return "once" if n == 1 else f"{n} times" if n > 2 else "twice"
-
-
-# -- probe ------------------------------------------------------------------------
-
-
-def install(patcher: "Patcher") -> None:
-    """Wrap ``torch.cuda.empty_cache`` for the active runs; undone by ``patcher``."""
-    import torch.cuda
-    import torch.cuda.memory
-
-    flags = FLAGS
-    original = torch.cuda.memory.empty_cache
-
-    @functools.wraps(original)
-    def empty_cache(*args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True
-        if flags.active:
-            checks = [run.checks[NAME] for run in active_runs() if run.active and NAME in run.checks]
-            if checks:
-                stack = capture(2)
-                for check in checks:
-                    check.on_empty_cache(stack)  # type: ignore[attr-defined]
-        return original(*args, **kwargs)
-
-    wrapper: Callable[..., Any] = empty_cache
-    patcher.setattr(torch.cuda.memory, "empty_cache", wrapper)
-    if torch.cuda.empty_cache is original:
-        patcher.setattr(torch.cuda, "empty_cache", wrapper)
+INVARIANT = Invariant(
+    name=NAME,
+    doc="no torch.cuda.empty_cache() call by your code in the run",
+    check=EmptyCacheCheck,
+    kind=Flag(),
+    default=False,
+    probes=("cuda_cache",),
+)

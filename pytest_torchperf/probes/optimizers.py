@@ -5,26 +5,25 @@ where (an optimizer stepping parameters on a CUDA device is a CUDA run,
 whatever the machine has); ``grads_set_to_none`` looks at the gradients each
 step consumed. One global optimizer step *post*-hook
 (``torch.optim.optimizer.register_optimizer_step_post_hook``, called by every
-``Optimizer.step``, Lightning's included) calls ``on_optimizer_step(optimizer)``
-on the checks of every active run that define it; it is removed when the last
-run ends. A post-hook, because Lightning runs the forward and backward inside
+``Optimizer.step``, Lightning's included) sends ``on_optimizer_step(optimizer)``
+to the checks of every active run; it is removed with the probe. A post-hook, because Lightning runs the forward and backward inside
 ``optimizer.step(closure)``: only after the step has the step's work happened.
 """
 
 from __future__ import annotations
 
+import importlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ..watch import FLAGS, active_runs
+from .. import core
+from ..core import FLAGS
+from . import Probe
 
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["install", "parameters", "placement"]
-
-#: Optimizer -> (key, device types, dtypes) of its parameters; see :func:`placement`.
-_placements: "weakref.WeakKeyDictionary[Any, tuple[tuple, frozenset, frozenset]]" = weakref.WeakKeyDictionary()
+__all__ = ["OptimizersProbe", "PROBE", "parameters", "placement"]
 
 
 def parameters(optimizer: Any) -> list[Any]:
@@ -47,42 +46,55 @@ def placement(optimizer: Any) -> tuple[frozenset, frozenset]:
         key: tuple = (len(groups), len(first_group), first.device, first.dtype)
     else:
         key = (len(groups),)
-    cached = _placements.get(optimizer)
+    cached = PROBE.placements.get(optimizer)
     if cached is not None and cached[0] == key:
         return cached[1], cached[2]
     params = parameters(optimizer)
     devices = frozenset(p.device.type for p in params)
     dtypes = frozenset(str(p.dtype).replace("torch.", "") for p in params)
     try:
-        _placements[optimizer] = (key, devices, dtypes)
+        PROBE.placements[optimizer] = (key, devices, dtypes)
     except TypeError:  # pragma: no cover - an optimizer that cannot be weakly referenced
         pass
     return devices, dtypes
 
 
-def install(patcher: "Patcher") -> None:
-    """Register the step post-hook for the active runs; removed by ``patcher``."""
-    import importlib
+class OptimizersProbe(Probe):
+    """The optimizer step post-hook (see the module's docstring)."""
 
-    try:
-        module = importlib.import_module("torch.optim.optimizer")
-    except ImportError:  # pragma: no cover
-        return
-    register = getattr(module, "register_optimizer_step_post_hook", None)
-    if register is None:  # pragma: no cover - torch < 2.0
-        return
-    flags = FLAGS
+    name = "optimizers"
 
-    def on_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not flags.active:
+    def __init__(self) -> None:
+        super().__init__()
+        #: Optimizer -> (key, device types, dtypes) of its parameters; see :func:`placement`.
+        self.placements: "weakref.WeakKeyDictionary[Any, tuple[tuple, frozenset, frozenset]]" = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        self.placements.clear()
+
+    def install(self, patcher: "Patcher") -> None:
+        """Register the step post-hook; removed by ``patcher``."""
+        self.reset()
+        patcher.callback(self.reset)
+        try:
+            module = importlib.import_module("torch.optim.optimizer")
+        except ImportError:  # pragma: no cover
+            module = None
+        register = getattr(module, "register_optimizer_step_post_hook", None)
+        if register is None:  # pragma: no cover - torch < 2.0
+            self.unavailable["optimizer_steps"] = "this torch has no global optimizer step hook"
             return
-        for run in active_runs():
-            if run.active:
-                for check in run.checks.values():
-                    hook = getattr(check, "on_optimizer_step", None)
-                    if hook is not None:
-                        hook(optimizer)
+        flags = FLAGS
 
-    handle = register(on_step)
-    patcher.callback(handle.remove)
-    patcher.callback(_placements.clear)
+        def on_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if flags.active:
+                core.notify("on_optimizer_step", optimizer)
+
+        handle = register(on_step)
+        patcher.callback(handle.remove)
+
+
+PROBE = OptimizersProbe()

@@ -8,10 +8,10 @@ one process per GPU and only all-reduces gradients, overlapped with the
 backward pass; PyTorch recommends it even on a single machine, and Lightning 2
 dropped its ``"dp"`` strategy.
 
-Seen three ways while a run is active, so it is caught on a CPU-only machine
-(where ``DataParallel`` just calls the module):
+Seen three ways, so it is caught on a CPU-only machine (where
+``DataParallel`` just calls the module):
 
-- ``DataParallel.forward`` is wrapped: every forward pass of any instance is
+- ``DataParallel.forward`` is wrapped (:mod:`pytest_torchperf.probes.data_parallel`): every forward pass of any instance is
   counted (a Lightning 1.x ``"dp"`` strategy's wrapper included), with the line
   that called it;
 - ``DataParallel.__init__`` is wrapped: an instance built during the run has
@@ -23,25 +23,24 @@ Seen three ways while a run is active, so it is caught on a CPU-only machine
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from ..arguments import Flag
+from ..core import Check
+from ..probes.data_parallel import PROBE
+from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site
-from ..stacks import Stack, capture
-from ..watch import FLAGS, active_runs
-from ._loaders import until_user_frame
+from ..stacks import Stack
 
 if TYPE_CHECKING:
-    from ..patching import Patcher
-    from ..watch import Run
+    from ..core import Run
 
 NAME = "no_data_parallel"
 
 #: Lightning 1.x strategy (1.6-1.9) and training-type plugin (1.5) classes that wrap the model in DataParallel.
 _DP_STRATEGIES = ("DataParallelStrategy", "DataParallelPlugin")
 
-_created: "weakref.WeakKeyDictionary[Any, Stack]" = weakref.WeakKeyDictionary()
 
 
 class _Instance:
@@ -50,19 +49,19 @@ class _Instance:
         inner = getattr(module, "module", None)
         self.description = f"{type(module).__name__}({type(inner).__name__})"
         self.device_ids = list(getattr(module, "device_ids", None) or [])
-        self.created: Optional[Stack] = _created.get(module)
+        self.created: Optional[Stack] = PROBE.created.get(module)
         self.forwards = 0
         self.first_forward: Optional[Stack] = None
         self.in_model: Optional[str] = None  # "submodule 'net' of Regressor" when found in a Trainer's model
 
 
-class DataParallelCheck:
+class DataParallelCheck(Check):
     """Per-run state and verdict of ``no_data_parallel``."""
 
     name = NAME
 
     def __init__(self, run: "Run") -> None:
-        self.run = run
+        super().__init__(run)
         self._instances: dict[int, _Instance] = {}
         self.strategies: list[str] = []
 
@@ -73,7 +72,7 @@ class DataParallelCheck:
         return rec
 
     # -- events ------------------------------------------------------------------------
-    def on_forward(self, module: Any, stack: Callable[[], Stack]) -> None:
+    def on_data_parallel_forward(self, module: Any, stack: Callable[[], Stack]) -> None:
         rec = self._record(module)
         rec.forwards += 1
         if rec.first_forward is None:
@@ -152,46 +151,11 @@ class DataParallelCheck:
         return CheckResult(NAME, PASSED, "no DataParallel in the run", 0, [], figures)
 
 
-# -- probe ------------------------------------------------------------------------
-
-
-def install(patcher: "Patcher") -> None:
-    """Wrap ``DataParallel.__init__`` and ``forward`` for the active runs; undone by ``patcher``."""
-    import torch
-
-    flags = FLAGS
-    dp = torch.nn.DataParallel
-
-    def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            __tracebackhide__ = True
-            original(self, *args, **kwargs)
-            if flags.active:
-                _created[self] = until_user_frame(capture(2))
-
-        return __init__
-
-    def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-            __tracebackhide__ = True
-            if flags.active:
-                stack: list[Stack] = []
-
-                def lazy() -> Stack:
-                    if not stack:
-                        stack.append(capture(3))
-                    return stack[0]
-
-                for run in active_runs():
-                    check = run.checks.get(NAME) if run.active else None
-                    if check is not None:
-                        check.on_forward(self, lazy)  # type: ignore[attr-defined]
-            return original(self, *args, **kwargs)
-
-        return forward
-
-    patcher.wrap(dp, "__init__", wrap_init)
-    patcher.wrap(dp, "forward", wrap_forward)
-    patcher.callback(_created.clear)
+INVARIANT = Invariant(
+    name=NAME,
+    doc="no torch.nn.DataParallel in the run (use DistributedDataParallel)",
+    check=DataParallelCheck,
+    kind=Flag(),
+    default=True,
+    probes=("data_parallel",),
+)

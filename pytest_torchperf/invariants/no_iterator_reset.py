@@ -4,16 +4,9 @@ Starting a pool forks (or spawns) ``num_workers`` processes and sends each a
 copy of the dataset. ``persistent_workers=True`` keeps one pool for the
 loader's lifetime, unless something drops ``loader._iterator`` (what
 pytorch-lightning 1.5.0 did every epoch); ``persistent_workers=False`` starts a
-new pool every epoch by design.
-
-The probe patches, while a run is active:
-
-- ``_MultiProcessingDataLoaderIter.__init__``: a pool is started (seen even when
-  a DataLoader subclass overrides ``_get_iterator``);
-- ``DataLoader.__setattr__`` / ``__delattr__``: ``_iterator`` set to None,
-  replaced or deleted, with the stack that did it;
-- ``_MultiProcessingDataLoaderIter._shutdown_workers``: a persistent pool is shut down;
-- ``DataLoader.__iter__``: an epoch (a pass over the loader) begins.
+new pool every epoch by design. What the probe :mod:`pytest_torchperf.probes.iterators`
+sees: each pass over a loader, each pool started, each drop of the iterator
+and each shutdown of a persistent pool, with the stacks.
 
 A Lightning ``Trainer`` call (fit, validate, test, predict) starts a new
 segment: Lightning shuts the workers down when a call ends, so the next call
@@ -24,24 +17,21 @@ persistent one, which the following epochs must reuse).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .. import lightning
+from ..arguments import Flag
+from ..core import Check
+from ..probes.iterators import DROP, POOL, SHUTDOWN
+from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
-from ..stacks import Stack, capture
+from ..stacks import Stack
 
 if TYPE_CHECKING:
-    from ..patching import Patcher
-    from ..watch import Run
+    from ..core import Run
 
 NAME = "no_iterator_reset"
-
-POOL = "pool"
-DROP = "drop"
-SHUTDOWN = "shutdown"
-
 
 @dataclass
 class _Event:
@@ -72,13 +62,13 @@ class _Loader:
         return [e for e in self.events if e.kind == POOL and (segment is None or e.segment == segment)]
 
 
-class IteratorResetCheck:
+class IteratorResetCheck(Check):
     """Per-run state and verdict of ``no_iterator_reset``."""
 
     name = NAME
 
     def __init__(self, run: "Run") -> None:
-        self.run = run
+        super().__init__(run)
         self._segment = 0
         self._loaders: dict[int, _Loader] = {}
 
@@ -98,10 +88,10 @@ class IteratorResetCheck:
             return stage
         return f"pass {rec.passes}", False
 
-    def on_pass(self, loader: Any) -> None:
+    def on_dataloader_pass(self, loader: Any) -> None:
         self._record(loader).passes += 1
 
-    def on_event(self, kind: str, loader: Any, stack: Stack, how: str = "") -> None:
+    def on_worker_pool(self, kind: str, loader: Any, stack: Stack, how: str = "") -> None:
         rec = self._record(loader)
         label, sanity = self._label(rec)
         rec.events.append(_Event(kind, stack, self._segment, label, sanity, how))
@@ -209,96 +199,13 @@ class IteratorResetCheck:
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
-# -- probe ------------------------------------------------------------------------
-
-_loader_of_pool: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
-def _checks() -> list[IteratorResetCheck]:
-    from ..watch import active_runs
-
-    out = []
-    for run in active_runs():
-        check = run.checks.get(NAME)
-        if check is not None:
-            out.append(check)  # type: ignore[arg-type]
-    return out
-
-
-def install(patcher: "Patcher") -> None:
-    """Patch the DataLoader machinery for the active runs; undone by ``patcher``."""
-    from torch.utils.data import dataloader as dl
-
-    loader_cls = dl.DataLoader
-    pool_cls = dl._MultiProcessingDataLoaderIter
-
-    def iter_(original: Callable[..., Any]) -> Callable[..., Any]:
-        def __iter__(self: Any) -> Any:
-            __tracebackhide__ = True
-            for check in _checks():
-                check.on_pass(self)
-            return original(self)
-
-        return __iter__
-
-    def pool_init(original: Callable[..., Any]) -> Callable[..., Any]:
-        def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
-            __tracebackhide__ = True
-            original(self, loader, *args, **kwargs)
-            checks = _checks()
-            if checks:
-                _loader_of_pool[self] = loader
-                stack = capture(2)
-                for check in checks:
-                    check.on_event(POOL, loader, stack)
-
-        return __init__
-
-    def setattr_(original: Callable[..., Any]) -> Callable[..., Any]:
-        def __setattr__(self: Any, attr: str, value: Any) -> None:
-            if attr == "_iterator":
-                old = self.__dict__.get("_iterator")
-                if old is not None and value is not old:
-                    checks = _checks()
-                    if checks:
-                        stack = capture(2)
-                        how = "set to None" if value is None else "replaced"
-                        for check in checks:
-                            check.on_event(DROP, self, stack, how)
-            original(self, attr, value)
-
-        return __setattr__
-
-    own_delattr = vars(loader_cls).get("__delattr__")
-
-    def __delattr__(self: Any, attr: str) -> None:
-        if attr == "_iterator" and self.__dict__.get("_iterator") is not None:
-            checks = _checks()
-            if checks:
-                stack = capture(2)
-                for check in checks:
-                    check.on_event(DROP, self, stack, "deleted")
-        if own_delattr is not None:
-            own_delattr(self, attr)
-        else:
-            super(loader_cls, self).__delattr__(attr)
-
-    def shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
-        def _shutdown_workers(self: Any) -> None:
-            if getattr(self, "_persistent_workers", False) and not getattr(self, "_shutdown", True):
-                loader = _loader_of_pool.get(self)
-                checks = _checks()
-                if loader is not None and checks:
-                    stack = capture(2)
-                    for check in checks:
-                        check.on_event(SHUTDOWN, loader, stack)
-            original(self)
-
-        return _shutdown_workers
-
-    patcher.wrap(loader_cls, "__iter__", iter_)
-    patcher.wrap(loader_cls, "__setattr__", setattr_)
-    patcher.setattr(loader_cls, "__delattr__", __delattr__)
-    patcher.wrap(pool_cls, "__init__", pool_init)
-    patcher.wrap(pool_cls, "_shutdown_workers", shutdown)
-    patcher.callback(_loader_of_pool.clear)
+INVARIANT = Invariant(
+    name=NAME,
+    doc="each DataLoader with workers starts its worker pool at most once",
+    check=IteratorResetCheck,
+    kind=Flag(),
+    default=True,
+    probes=("iterators",),
+)

@@ -1,10 +1,10 @@
 """What the DataLoader checks share: the loaders a run iterated, where each was made, which ones fed training.
 
 ``min_workers`` and ``pin_memory`` judge the *training* DataLoaders, and
-``no_recompiles`` needs to know when a plain loop's first epoch ends. A run
-that needs any of that asks for its :class:`LoaderLog` (:func:`log_for`); the
-probe (installed once while any run is active, undone with it) fills the log
-of every active run that has one:
+``no_recompiles`` needs to know when a plain loop's first epoch ends. A check
+that needs any of that asks for its run's :class:`LoaderLog`
+(``PROBE.log_for(run)``); the probe fills the log of every active run that
+has one:
 
 - ``DataLoader.__init__``: the stack that built a loader, kept while a run is
   active (a loader built before the run has no creation site; its first
@@ -28,22 +28,16 @@ import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import lightning
+from .. import core, lightning
+from ..core import FLAGS
 from ..stacks import Stack, capture
-from ..watch import FLAGS, active_runs
+from . import Probe
 
 if TYPE_CHECKING:
+    from ..core import Run
     from ..patching import Patcher
-    from ..watch import Run
 
-__all__ = ["LoaderRecord", "LoaderLog", "log_for", "install", "until_user_frame"]
-
-#: Loader -> the stack that built it (only loaders built while a run was active).
-_created: "weakref.WeakKeyDictionary[Any, Stack]" = weakref.WeakKeyDictionary()
-#: Iterator -> the loader it iterates.
-_loader_of: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-#: Run -> its log, for the runs whose checks asked for one.
-_logs: "weakref.WeakKeyDictionary[Run, LoaderLog]" = weakref.WeakKeyDictionary()
+__all__ = ["LoaderRecord", "LoaderLog", "LoadersProbe", "PROBE", "until_user_frame"]
 
 #: Pass labels kept per loader (the rest are counted).
 _MAX_LABELS = 8
@@ -71,7 +65,7 @@ class LoaderRecord:
         self.batch_size = getattr(loader, "batch_size", None)
         self.num_workers = 0
         self.pin_memory = False
-        self.created: Optional[Stack] = _created.get(loader)
+        self.created: Optional[Stack] = PROBE.created.get(loader)
         self.first_iterated: Optional[Stack] = None
         self.passes = 0
         self.labels: list[str] = []
@@ -174,14 +168,6 @@ class LoaderLog:
         rec._steps_at_batch = steps
 
 
-def log_for(run: "Run") -> LoaderLog:
-    """The run's log, created on first request (checks ask in their ``__init__``)."""
-    log = _logs.get(run)
-    if log is None:
-        log = _logs[run] = LoaderLog(run)
-    return log
-
-
 def _device_type(batch: Any, depth: int = 0) -> Optional[str]:
     """The device type of the batch's first tensor when it is not the CPU, else None."""
     device = getattr(batch, "device", None)
@@ -199,80 +185,119 @@ def _device_type(batch: Any, depth: int = 0) -> Optional[str]:
     return None
 
 
-def _active_logs() -> list[LoaderLog]:
-    if not _logs:
-        return []
-    out = []
-    for run in active_runs():
-        log = _logs.get(run)
-        if log is not None and run.active:
-            out.append(log)
-    return out
+class LoadersProbe(Probe):
+    """DataLoader construction, passes and batches, for the runs that keep a :class:`LoaderLog`."""
 
+    name = "loaders"
 
-# -- probe -----------------------------------------------------------------------------
+    def __init__(self) -> None:
+        super().__init__()
+        #: Loader -> the stack that built it (only loaders built while a run was active).
+        self.created: "weakref.WeakKeyDictionary[Any, Stack]" = weakref.WeakKeyDictionary()
+        #: Iterator -> the loader it iterates.
+        self.loader_of: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        #: Run -> its log, for the runs whose checks asked for one.
+        self.logs: "weakref.WeakKeyDictionary[Run, LoaderLog]" = weakref.WeakKeyDictionary()
 
+    def reset(self) -> None:
+        super().reset()
+        self.created.clear()
+        self.loader_of.clear()
 
-def install(patcher: "Patcher") -> None:
-    """Patch the DataLoader machinery for the active runs' logs; undone by ``patcher``."""
-    from torch.utils.data import dataloader as dl
+    def log_for(self, run: "Run") -> LoaderLog:
+        """The run's log, created on first request (checks ask in their ``__init__``)."""
+        log = self.logs.get(run)
+        if log is None:
+            log = self.logs[run] = LoaderLog(run)
+        return log
 
-    flags = FLAGS
+    def active_logs(self) -> list[LoaderLog]:
+        if not self.logs:
+            return []
+        out = []
+        for run in core.active_runs():
+            log = self.logs.get(run)
+            if log is not None and run.active:
+                out.append(log)
+        return out
 
-    def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)  # keeps the signature Lightning inspects to re-instantiate loaders
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            __tracebackhide__ = True
-            original(self, *args, **kwargs)
-            if flags.active and _logs:
-                _created[self] = until_user_frame(capture(2))
+    def install(self, patcher: "Patcher") -> None:
+        """Patch the DataLoader machinery for the active runs' logs; undone by ``patcher``."""
+        from torch.utils.data import dataloader as dl
 
-        return __init__
+        self.reset()
+        patcher.callback(self.reset)
+        flags = FLAGS
+        probe = self
 
-    def wrap_iter(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def __iter__(self: Any) -> Any:
-            __tracebackhide__ = True
-            for log in _active_logs():
-                log.on_pass(self)
-            return original(self)
+        def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)  # keeps the signature Lightning inspects to re-instantiate loaders
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                __tracebackhide__ = True
+                original(self, *args, **kwargs)
+                if flags.active and probe.logs:
+                    try:
+                        probe.created[self] = until_user_frame(capture(2))
+                    except Exception as exc:  # noqa: BLE001 - never into the user's code
+                        probe.failed(exc)
 
-        return __iter__
+            return __init__
 
-    def wrap_iterator_init(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
-            __tracebackhide__ = True
-            original(self, loader, *args, **kwargs)
-            if flags.active:
-                _loader_of[self] = loader
-
-        return __init__
-
-    def wrap_next(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def __next__(self: Any) -> Any:
-            __tracebackhide__ = True
-            if not (flags.active and _logs):
+        def wrap_iter(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def __iter__(self: Any) -> Any:
+                __tracebackhide__ = True
+                try:
+                    for log in probe.active_logs():
+                        log.on_pass(self)
+                except Exception as exc:  # noqa: BLE001
+                    probe.failed(exc)
                 return original(self)
-            loader = _loader_of.get(self)
-            try:
-                batch = original(self)
-            except StopIteration:
-                if loader is not None:
-                    for log in _active_logs():
-                        log.on_batch(loader, None, done=True)
-                raise
+
+            return __iter__
+
+        def wrap_iterator_init(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
+                __tracebackhide__ = True
+                original(self, loader, *args, **kwargs)
+                if flags.active:
+                    try:
+                        probe.loader_of[self] = loader
+                    except Exception as exc:  # noqa: BLE001
+                        probe.failed(exc)
+
+            return __init__
+
+        def wrap_next(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def __next__(self: Any) -> Any:
+                __tracebackhide__ = True
+                if not (flags.active and probe.logs):
+                    return original(self)
+                try:
+                    batch = original(self)
+                except StopIteration:
+                    probe._batch(self, None, done=True)
+                    raise
+                probe._batch(self, batch, done=False)
+                return batch
+
+            return __next__
+
+        patcher.wrap(dl.DataLoader, "__init__", wrap_init)
+        patcher.wrap(dl.DataLoader, "__iter__", wrap_iter)
+        patcher.wrap(dl._BaseDataLoaderIter, "__init__", wrap_iterator_init)
+        patcher.wrap(dl._BaseDataLoaderIter, "__next__", wrap_next)
+
+    def _batch(self, iterator: Any, batch: Any, done: bool) -> None:
+        try:
+            loader = self.loader_of.get(iterator)
             if loader is not None:
-                for log in _active_logs():
-                    log.on_batch(loader, batch, done=False)
-            return batch
+                for log in self.active_logs():
+                    log.on_batch(loader, batch, done=done)
+        except Exception as exc:  # noqa: BLE001
+            self.failed(exc)
 
-        return __next__
 
-    patcher.wrap(dl.DataLoader, "__init__", wrap_init)
-    patcher.wrap(dl.DataLoader, "__iter__", wrap_iter)
-    patcher.wrap(dl._BaseDataLoaderIter, "__init__", wrap_iterator_init)
-    patcher.wrap(dl._BaseDataLoaderIter, "__next__", wrap_next)
-    patcher.callback(_created.clear)
-    patcher.callback(_loader_of.clear)
+PROBE = LoadersProbe()

@@ -8,10 +8,10 @@ runs the heavy ops in 16 bits.
 
 What is seen while a run is active:
 
-- ``torch.autocast.__enter__`` is wrapped (``torch.cuda.amp.autocast``,
+- ``torch.autocast.__enter__`` is wrapped (:mod:`pytest_torchperf.probes.autocast`) (``torch.cuda.amp.autocast``,
   Lightning's precision plugins and ``torch.amp`` regions in compiled graphs
   all go through it): an enabled region on a CUDA device is counted;
-- after every optimizer step (:mod:`._optimizers`), a step of parameters on a
+- after every optimizer step (:mod:`pytest_torchperf.probes.optimizers`), a step of parameters on a
   CUDA device is *mixed* if an autocast region was entered since that
   optimizer's previous step (or is active now), *16-bit* if all its parameters
   are float16/bfloat16 (``Trainer(precision="bf16-true")``, ``model.half()``),
@@ -24,30 +24,24 @@ that reason: float32 is the norm on a CPU.
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from ..arguments import Flag
+from ..core import Check
+from ..probes import cuda_available
+from ..probes import optimizers as _optimizers
+from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Stack, capture
-from ..watch import FLAGS, active_runs
-from . import _optimizers
 
 if TYPE_CHECKING:
-    from ..patching import Patcher
-    from ..watch import Run
+    from ..core import Run
 
 NAME = "mixed_precision"
 
 #: Device types on which float32 training is reported.
 ACCELERATORS: tuple[str, ...] = ("cuda",)
 LOW_PRECISION = frozenset(("float16", "bfloat16"))
-
-
-def accelerator_available() -> bool:
-    """Whether this machine has a device the check applies to."""
-    import torch
-
-    return bool(torch.cuda.is_available())
 
 
 def _autocast_enabled(device: str) -> bool:
@@ -59,13 +53,13 @@ def _autocast_enabled(device: str) -> bool:
         return device == "cuda" and bool(torch.is_autocast_enabled())
 
 
-class PrecisionCheck:
+class PrecisionCheck(Check):
     """Per-run state and verdict of ``mixed_precision``."""
 
     name = NAME
 
     def __init__(self, run: "Run") -> None:
-        self.run = run
+        super().__init__(run)
         self.autocast_regions = 0
         self.autocast_dtypes: set[str] = set()
         self.steps = {"mixed": 0, "16-bit": 0, "float32": 0}
@@ -111,7 +105,7 @@ class PrecisionCheck:
         total = sum(self.steps.values())
         device = sorted(self.devices)[0] if self.devices else ACCELERATORS[0]
         figures: dict[str, Any] = {
-            "accelerator_available": accelerator_available(),
+            "accelerator_available": cuda_available(),
             "optimizer_steps": total,
             "float32_steps": self.steps["float32"],
             "mixed_steps": self.steps["mixed"],
@@ -167,35 +161,11 @@ class PrecisionCheck:
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
-def _checks() -> list[PrecisionCheck]:
-    out = []
-    for run in active_runs():
-        check = run.checks.get(NAME) if run.active else None
-        if check is not None:
-            out.append(check)  # type: ignore[arg-type]
-    return out
-
-
-# -- probe ------------------------------------------------------------------------
-
-
-def install(patcher: "Patcher") -> None:
-    """Wrap ``torch.autocast.__enter__`` for the active runs; undone by ``patcher``."""
-    import torch.amp.autocast_mode as autocast_mode
-
-    from .grads import _is_compiling_function
-
-    flags = FLAGS
-    is_compiling = _is_compiling_function()
-
-    def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def __enter__(self: Any) -> Any:
-            if not is_compiling() and flags.active and getattr(self, "_enabled", False):
-                for check in _checks():
-                    check.on_autocast(str(getattr(self, "device", "")), getattr(self, "fast_dtype", None))
-            return original(self)
-
-        return __enter__
-
-    patcher.wrap(autocast_mode.autocast, "__enter__", wrap_enter)
+INVARIANT = Invariant(
+    name=NAME,
+    doc="on a GPU, training steps run under autocast or in 16-bit (not applicable on CPU)",
+    check=PrecisionCheck,
+    kind=Flag(),
+    default=False,
+    probes=("optimizers", "autocast"),
+)

@@ -17,9 +17,9 @@ no DataLoader, the first training step. ``recompile_warmup_steps=N`` replaces
 that with "the first N training steps". Hitting the recompile limit fails the
 check whenever it happens.
 
-The probe patches two functions in ``torch._dynamo.convert_frame`` while a
-run is active (patched when dynamo is first imported if that happens during
-the run): ``get_and_maybe_log_recompilation_reasons``, called on every
+The probe (:mod:`pytest_torchperf.probes.recompiles`) patches two functions
+in ``torch._dynamo.convert_frame`` (when dynamo is first imported, if that
+happens during the run): ``get_and_maybe_log_recompilation_reasons``, called on every
 recompile with the failing guards (the same text ``TORCH_LOGS=recompiles``
 prints), and ``exceeds_recompile_limit``. Compiles are counted with dynamo's
 compile-start callback. Nothing changes dynamo's behaviour or logging; the
@@ -29,32 +29,25 @@ the innermost frame outside torch when the compiled function was called.
 
 from __future__ import annotations
 
-import functools
-import importlib
 import re
 import sys
 from dataclasses import dataclass
 from types import CodeType
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .. import lightning
+from ..arguments import Argument, Flag, Integer
+from ..core import Check
+from ..probes.loaders import PROBE as LOADERS
+from ..probes.recompiles import PROBE
+from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site, merge_sites
-from ..stacks import Stack, capture, display_path
-from ..watch import FLAGS, active_runs
-from ._loaders import log_for
+from ..stacks import Stack, display_path
 
 if TYPE_CHECKING:
-    from ..patching import Patcher
-    from ..watch import Run
+    from ..core import Run
 
 NAME = "no_recompiles"
-_CONVERT_FRAME = "torch._dynamo.convert_frame"
-#: Names across torch versions (newest first).
-_REASONS = ("get_and_maybe_log_recompilation_reasons", "get_and_maybe_log_recompilation_reason")
-_LIMITS = ("exceeds_recompile_limit", "exceeds_cache_size_limit")
-
-#: Whether the probe could attach to this torch's dynamo: None until dynamo is seen.
-_attached: list[Optional[bool]] = [None]
 
 _COMPILE_ID = re.compile(r"^\s*\[?\d+/\d+\]?\s*:\s*")
 _HINT = re.compile(r"\s*\(HINT:\s*(?P<hint>.*)\)\s*$")
@@ -110,16 +103,21 @@ def _function(code: CodeType) -> str:
     return f"{code.co_name} ({display_path(code.co_filename)}:{code.co_firstlineno})"
 
 
-class RecompileCheck:
+class RecompileCheck(Check):
     """Per-run state and verdict of ``no_recompiles``."""
 
     name = NAME
 
     def __init__(self, run: "Run") -> None:
-        self.run = run
-        self.log = log_for(run)
+        super().__init__(run)
+        self.log = LOADERS.log_for(run)
         self.compiles = 0
         self.recompiles: list[_Recompile] = []
+        #: Whether the probe could attach to dynamo (None: dynamo never imported), read at the run's end.
+        self.attached: Optional[bool] = None
+
+    def on_run_end(self) -> None:
+        self.attached = PROBE.attached
 
     def _phase(self) -> tuple[bool, str]:
         """(still warming up, where the run is) for an event happening now."""
@@ -148,7 +146,7 @@ class RecompileCheck:
         warm, label = self._phase()
         self.recompiles.append(_Recompile(code, guard, source, hint, stack, warm, label))
 
-    def on_limit(self, limit: str) -> None:
+    def on_recompile_limit(self, limit: str) -> None:
         if self.recompiles:
             self.recompiles[-1].limit = limit
 
@@ -224,7 +222,7 @@ class RecompileCheck:
                 for events in by_function.values()
             ],
         }
-        if _attached[0] is False:
+        if self.attached is False:
             return CheckResult(
                 NAME,
                 NOT_CHECKED,
@@ -262,85 +260,21 @@ def _limit_value(name: str) -> Any:
     return getattr(config, name, "?")
 
 
-def _checks() -> list[RecompileCheck]:
-    out = []
-    for run in active_runs():
-        check = run.checks.get(NAME) if run.active else None
-        if check is not None:
-            out.append(check)  # type: ignore[arg-type]
-    return out
-
-
-# -- probe ------------------------------------------------------------------------
-
-
-def _attach(patcher: "Patcher", convert_frame: Any) -> None:
-    """Patch dynamo's recompilation entry points in ``convert_frame``."""
-    flags = FLAGS
-    reasons_name = next((n for n in _REASONS if callable(getattr(convert_frame, n, None))), None)
-    limit_name = next((n for n in _LIMITS if callable(getattr(convert_frame, n, None))), None)
-    _attached[0] = reasons_name is not None
-    if reasons_name is None:
-        return
-
-    def wrap_reasons(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def reasons(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            if flags.active and not kwargs.get("skip_logging"):
-                frame = args[1] if len(args) > 1 else kwargs.get("frame")
-                code = getattr(frame, "f_code", None)
-                checks = _checks()
-                if checks and code is not None:
-                    stack = capture(2)
-                    found = [str(r) for r in (out or [])] if isinstance(out, (list, tuple)) else [str(out)]
-                    for check in checks:
-                        check.on_recompile(code, found, stack)
-            return out
-
-        return reasons
-
-    def wrap_limit(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def exceeds(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            exceeded, which = (out[0], out[1]) if isinstance(out, tuple) else (bool(out), "cache_size_limit")
-            if exceeded and flags.active:
-                for check in _checks():
-                    check.on_limit(which or "recompile_limit")
-            return out
-
-        return exceeds
-
-    patcher.wrap(convert_frame, reasons_name, wrap_reasons)
-    if limit_name is not None:
-        patcher.wrap(convert_frame, limit_name, wrap_limit)
-
-    try:
-        callback_module: Any = importlib.import_module("torch._dynamo.callback")
-    except ImportError:  # pragma: no cover - torch without compile callbacks
-        callback_module = None
-    handler = getattr(callback_module, "callback_handler", None)
-    if handler is not None and hasattr(handler, "register_start_callback"):
-
-        def on_start(args: Any) -> None:
-            trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
-            if flags.active and trigger == "DYNAMO":
-                for check in _checks():
-                    check.on_compile()
-
-        handler.register_start_callback(on_start)
-
-        def remove() -> None:
-            try:
-                handler.remove_start_callback(on_start)
-            except ValueError:  # already cleared by someone else
-                pass
-
-        patcher.callback(remove)
-
-
-def install(patcher: "Patcher") -> None:
-    """Attach to dynamo now if it is imported, else as soon as it is; undone by ``patcher``."""
-    patcher.callback(lambda: _attached.__setitem__(0, None))
-    patcher.on_import(_CONVERT_FRAME, lambda module: _attach(patcher, module))
+INVARIANT = Invariant(
+    name=NAME,
+    doc="torch.compile'd code is not compiled again after warm-up (the first epoch)",
+    check=RecompileCheck,
+    kind=Flag(),
+    default=False,
+    probes=("loaders", "recompiles"),
+    arguments=(
+        Argument(
+            "recompile_warmup_steps",
+            Integer(minimum=0),
+            None,
+            "no_recompiles counts recompiles during the first N training steps as warm-up "
+            "(default: the first epoch)",
+            meaning="training steps whose recompiles count as warm-up",
+        ),
+    ),
+)

@@ -1,0 +1,202 @@
+"""Keep a patched class's CPython type slots exactly as they were.
+
+Setting a dunder method on a class updates the C-level *slots* Python uses
+for syntax and protocols (``x[i]``, ``bool(x)``, ``len(x)``...), and some
+names update two slots. ``__getitem__`` fills both the mapping slot
+``mp_subscript`` and the sequence slot ``sq_item``. ``torch.Tensor`` has only
+the first (it inherits ``mp_subscript`` from its C base), so a Python
+``__getitem__`` on it makes every tensor look like a *sequence* to C code
+(``PySequence_Check``): ``torch.tensor([t0, t1])`` of 0-d tensors then fails
+with ``len() of a 0-d tensor``. Deleting the attribute again does not undo
+it: CPython recomputes ``sq_item`` from the names it finds, sees two filled
+slots and keeps the generic one. So the class would stay changed for the rest
+of the process.
+
+:class:`SlotGuard` snapshots the slot tables of a class and of its
+subclasses before the first such patch, puts the sequence "twin" slots back
+right after each patch (the class keeps calling the Python method for
+``x[i]`` through ``mp_subscript``, and stays a non-sequence), and writes the
+whole snapshot back when the patch is undone, so the class is byte for byte
+what it was. Subclasses created during the patch get the twin slots their
+base had.
+
+It reads and writes ``PyTypeObject`` fields with :mod:`ctypes`, only on heap
+types (classes whose slot tables live inside the type object), and only
+after checking the layout it assumes against known classes
+(:func:`supported`); where the check fails (another Python implementation, a
+free-threaded build, a layout it does not know) it reports that and the
+caller does not patch those names at all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import sysconfig
+from typing import Any, Optional
+
+__all__ = ["TWIN_NAMES", "SlotGuard", "supported", "table_bytes"]
+
+_PTR = ctypes.sizeof(ctypes.c_void_p)
+_HEAPTYPE = 1 << 9
+#: Field indices (in pointers) of PyTypeObject after the PyVarObject header.
+_AS_NUMBER, _AS_SEQUENCE, _AS_MAPPING = 9, 10, 11
+#: Pointers in PyNumberMethods, PySequenceMethods and PyMappingMethods.
+_TABLE_SIZES = {_AS_NUMBER: 36, _AS_SEQUENCE: 10, _AS_MAPPING: 3}
+
+#: Names that fill a mapping slot and a sequence slot at once: (sequence index, mapping index).
+TWIN_NAMES = {
+    "__getitem__": (3, 1),  # sq_item, mp_subscript
+    "__setitem__": (5, 2),  # sq_ass_item, mp_ass_subscript
+    "__delitem__": (5, 2),
+    "__len__": (0, 0),  # sq_length, mp_length
+}
+
+_supported: Optional[str] = None  # "" when supported, else why not
+
+
+def _header() -> int:
+    """Bytes before ``tp_name``: the PyVarObject header (refcount, type, size)."""
+    return object.__basicsize__ + ctypes.sizeof(ctypes.c_ssize_t)
+
+
+def _field(tp: type, index: int) -> ctypes.c_void_p:
+    return ctypes.c_void_p.from_address(id(tp) + _header() + index * _PTR)
+
+
+def _table(tp: type, which: int) -> Optional[int]:
+    return _field(tp, which).value
+
+
+def _slot(tp: type, which: int, index: int) -> ctypes.c_void_p:
+    base = _table(tp, which)
+    assert base is not None
+    return ctypes.c_void_p.from_address(base + index * _PTR)
+
+
+def _inside(tp: type, address: Optional[int]) -> bool:
+    return address is not None and id(tp) < address < id(tp) + type.__sizeof__(tp)
+
+
+def supported() -> str:
+    """``""`` when this interpreter's type layout is the one this module writes, else the reason it is not."""
+    global _supported
+    if _supported is None:
+        _supported = _check_layout()
+    return _supported
+
+
+def _check_layout() -> str:
+    if sys.implementation.name != "cpython":
+        return f"not CPython ({sys.implementation.name})"
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return "a free-threaded CPython build"
+    try:
+        size = ctypes.c_ssize_t.from_address(id(int) + _header() + _PTR).value
+        if size != int.__basicsize__:
+            return "an unknown PyTypeObject layout"
+
+        class Plain:
+            pass
+
+        class Indexed:
+            def __getitem__(self, i: Any) -> Any:
+                return i
+
+        for tp in (Plain, Indexed):
+            if not (tp.__flags__ & _HEAPTYPE) or not _inside(tp, _table(tp, _AS_SEQUENCE)):
+                return "an unknown heap type layout"
+            if not _inside(tp, _table(tp, _AS_MAPPING)) or not _inside(tp, _table(tp, _AS_NUMBER)):
+                return "an unknown heap type layout"
+        if _slot(Plain, _AS_SEQUENCE, 3).value or _slot(Plain, _AS_MAPPING, 1).value:
+            return "an unknown slot layout"
+        if not (_slot(Indexed, _AS_SEQUENCE, 3).value and _slot(Indexed, _AS_MAPPING, 1).value):
+            return "an unknown slot layout"
+    except Exception as exc:  # noqa: BLE001 - any surprise means: do not write
+        return f"the layout check failed ({type(exc).__name__}: {exc})"
+    return ""
+
+
+def _subclasses(tp: type) -> list[type]:
+    out: list[type] = []
+    todo = list(type.__subclasses__(tp))
+    while todo:
+        sub = todo.pop()
+        if sub in out:
+            continue
+        out.append(sub)
+        todo.extend(type.__subclasses__(sub))
+    return out
+
+
+def table_bytes(tp: type) -> bytes:
+    """The number, sequence and mapping slot tables of a heap type, as bytes (for tests and checks)."""
+    out = b""
+    for which, size in _TABLE_SIZES.items():
+        base = _table(tp, which)
+        out += ctypes.string_at(base, size * _PTR) if base else b""
+    return out
+
+
+class SlotGuard:
+    """The slot tables of one class and its subclasses, taken before a twin-slot name is patched on it."""
+
+    def __init__(self, tp: type) -> None:
+        if supported():
+            raise RuntimeError(f"type slots cannot be kept on {supported()}")
+        if not (tp.__flags__ & _HEAPTYPE):
+            raise RuntimeError(f"{tp.__qualname__} is not a heap type")
+        self.tp = tp
+        self.names: list[str] = []
+        self._saved: dict[type, dict[int, list[Optional[int]]]] = {}
+        for cls in [tp] + _subclasses(tp):
+            if cls.__flags__ & _HEAPTYPE:
+                self._saved[cls] = {
+                    which: [_slot(cls, which, i).value for i in range(size)] for which, size in _TABLE_SIZES.items()
+                }
+
+    def patched(self, name: str) -> None:
+        """Right after ``setattr(tp, name, ...)``: put the sequence twin back (it stays a non-sequence)."""
+        if name not in self.names:
+            self.names.append(name)
+        twin = TWIN_NAMES.get(name)
+        if twin is None:
+            return
+        for cls in [self.tp] + _subclasses(self.tp):
+            if not cls.__flags__ & _HEAPTYPE:
+                continue
+            saved = self._saved.get(cls)
+            if saved is None:  # created while patched: as its base was, unless it defines the name itself
+                if _overrides(cls, self.tp, name):
+                    continue
+                saved = self._saved[self.tp]
+            _slot(cls, _AS_SEQUENCE, twin[0]).value = saved[_AS_SEQUENCE][twin[0]]
+
+    def restore(self) -> None:
+        """After the attribute is put back: every slot table as it was before the first patch."""
+        for cls in [self.tp] + _subclasses(self.tp):
+            if not cls.__flags__ & _HEAPTYPE:
+                continue
+            saved = self._saved.get(cls)
+            if saved is not None:
+                for which, values in saved.items():
+                    for i, value in enumerate(values):
+                        slot = _slot(cls, which, i)
+                        if slot.value != value:
+                            slot.value = value
+            else:  # created while patched: the twin slots its base had, unless it defines the name itself
+                base = self._saved[self.tp]
+                for name in self.names:
+                    twin = TWIN_NAMES.get(name)
+                    if twin is not None and not _overrides(cls, self.tp, name):
+                        _slot(cls, _AS_SEQUENCE, twin[0]).value = base[_AS_SEQUENCE][twin[0]]
+
+
+def _overrides(cls: type, base: type, name: str) -> bool:
+    """Whether a class between ``cls`` and ``base`` (``cls`` included) defines ``name`` itself."""
+    for klass in cls.__mro__:
+        if klass is base:
+            return False
+        if name in vars(klass):
+            return True
+    return False

@@ -1,0 +1,390 @@
+"""The bottom of torchperf: the runs that are watching, the switches probes read, and event dispatch.
+
+Every other module builds on this one and it imports none of them but the
+report types. A :class:`Run` is one watched block; while it is *active* the
+probes (:mod:`pytest_torchperf.probes`) forward what they see to its checks
+through :meth:`Run.handlers` / :func:`handlers`. A check is any object with a
+``result()`` method (see :class:`Check`); it receives an event by defining a
+method of the event's name (:data:`EVENTS` lists the built-in ones).
+
+Hot paths read two module-level switches, :data:`FLAGS` ``.active`` (some run
+is watching) and ``.in_scope`` (some run's step checks apply right now), one
+attribute load each. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+from .report import NOT_CHECKED, CheckResult, Report
+
+__all__ = [
+    "EVENTS",
+    "FLAGS",
+    "Check",
+    "Run",
+    "active_runs",
+    "handlers",
+    "notify",
+    "probe_failed",
+    "runs_in_scope",
+    "suspended",
+]
+
+#: The events the built-in probes send, and what a check's method of that name receives.
+EVENTS: dict[str, str] = {
+    "on_trainer_call": "(kind, trainer, model): a Lightning Trainer.fit/validate/test/predict call begins",
+    "on_trainer_call_end": "(kind, trainer, model): that call returned or raised",
+    "on_step_start": "(): a training step begins (a LightningModule.training_step, or `with run.step():`)",
+    "on_step_end": "(): that training step ended",
+    "on_optimizer_step": "(optimizer): an optimizer stepped (after its step)",
+    "on_sync": "(event): an operation that synchronises the host with the device, inside the scope",
+    "on_move": "(event): a host-built tensor (or, on an accelerator, any host tensor) moved to a device",
+    "on_run_end": "(): the run stops, its probes still installed (read probe state here, not in result())",
+}
+
+
+class _Flags:
+    """Global switches read on the probes' hot paths (one attribute load each).
+
+    Kept current by every scope transition of every run; a probe that only
+    matters inside a step returns at once while ``in_scope`` is False.
+    """
+
+    #: Some run is watching.
+    active = False
+    #: Some active run's step checks apply right now (see :attr:`Run.in_scope`).
+    in_scope = False
+    #: Called with the new ``in_scope`` value whenever it changes (probes add and remove their own).
+    listeners: "list[Callable[[bool], None]]" = []
+
+
+FLAGS = _Flags
+
+_ACTIVE: list["Run"] = []
+
+
+def active_runs() -> list["Run"]:
+    """The runs currently watching, outermost first (probes dispatch to all of them). Do not modify."""
+    return _ACTIVE
+
+
+def runs_in_scope() -> list["Run"]:
+    """The active runs whose step checks apply right now."""
+    return [run for run in _ACTIVE if run.in_scope]
+
+
+def handlers(event: str, in_scope: bool = False) -> list[Callable[..., Any]]:
+    """Every active run's check methods named ``event`` (only runs in scope, with ``in_scope``)."""
+    out: list[Callable[..., Any]] = []
+    for run in _ACTIVE:
+        if run._active and (not in_scope or run.in_scope):
+            out.extend(run.handlers(event))
+    return out
+
+
+def notify(event: str, *args: Any, in_scope: bool = False) -> None:
+    """Call ``event(*args)`` on the checks of every active run (only runs in scope, with ``in_scope``).
+
+    A check that raises is that check's problem, never the user's: the error
+    is kept on its run and the check's verdict becomes "not checked".
+    """
+    for handler in handlers(event, in_scope):
+        try:
+            handler(*args)
+        except Exception as exc:  # noqa: BLE001 - a check's bug must not break the user's code
+            check = getattr(handler, "__self__", None)
+            name = getattr(check, "name", "?")
+            for run in _ACTIVE:
+                if run.checks.get(name) is check:
+                    run.check_failed(name, exc)
+
+
+#: Set by :mod:`pytest_torchperf.watch`: removes a failed probe (and the probes that need it).
+_probe_remover: list[Callable[[str], None]] = []
+
+
+def probe_failed(probe: str, exc: BaseException) -> None:
+    """A probe's own code raised: record it on every active run and take the probe out.
+
+    Called by a probe's wrapper instead of letting the exception reach the
+    user's code; the user's operation then runs as if nothing watched it. The
+    invariants that need the probe report "not checked" with the error.
+    Never raises.
+    """
+    try:
+        message = f"{type(exc).__name__}: {exc}"
+        for run in _ACTIVE:
+            run.internal_errors.setdefault(probe, message)
+        for remove in _probe_remover:
+            remove(probe)
+    except Exception:  # noqa: BLE001 - the last line of defence
+        pass
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[list["Run"]]:
+    """Hide the active runs from the probes inside the block; yields the runs hidden.
+
+    For torchperf's own work while a run is still active (the ``max_overhead``
+    replay of a run nested in another): the probes stay installed, but no run
+    records what they see.
+    """
+    hidden = list(_ACTIVE)
+    _ACTIVE.clear()
+    _refresh_flags()
+    try:
+        yield hidden
+    finally:
+        _ACTIVE[:] = hidden
+        _refresh_flags()
+
+
+def _refresh_flags() -> None:
+    FLAGS.active = any(run._active for run in _ACTIVE)
+    _refresh_scope()
+
+
+def _refresh_scope() -> None:
+    """Recompute ``FLAGS.in_scope`` (``Run.in_scope`` inlined: this runs at every step's end)."""
+    now = False
+    for run in _ACTIVE:
+        if run._active and (run._step_depth or run._scope == "test" or (run._batch_depth and run._scope == "batch")):
+            now = True
+            break
+    if now is not FLAGS.in_scope:
+        _set_in_scope(now)
+
+
+def _set_in_scope(now: bool) -> None:
+    FLAGS.in_scope = now
+    if FLAGS.listeners:
+        for listener in list(FLAGS.listeners):
+            listener(now)
+
+
+class Check:
+    """Base class of an invariant's per-run state and verdict (built-in and third-party alike).
+
+    One instance per run that checks the invariant, built as ``cls(run)``.
+    Define ``result() -> CheckResult``, and a method per event to receive
+    (:data:`EVENTS`: ``on_step_end(self)``, ``on_optimizer_step(self, optimizer)``...).
+    ``result()`` runs after the run stopped and its probes were removed:
+    read what a probe holds in ``on_run_end``, not there.
+    """
+
+    #: The invariant's name; set from its declaration when the registry builds the check.
+    name: str = ""
+
+    def __init__(self, run: "Run") -> None:
+        self.run = run
+
+    def result(self) -> CheckResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class Run:
+    """One watched block: its options, its step counter, its checks and, at the end, its report.
+
+    What probes and checks may read: :attr:`steps`, :attr:`batches`,
+    :attr:`active`, :attr:`in_scope`, :attr:`in_step`, :attr:`scope`,
+    :attr:`unit`, :attr:`units` and :meth:`check`.
+    """
+
+    def __init__(self, options: Any) -> None:
+        self.options = options
+        self.report: Optional[Report] = None
+        #: Training steps seen: ``training_step`` calls of observed fits plus ``run.step()`` blocks.
+        self.steps = 0
+        #: Batches seen: Lightning train batches plus ``run.step()`` blocks.
+        self.batches = 0
+        #: Invariant name -> its check; filled by whoever builds the run (see ``watch``).
+        self.checks: dict[str, Any] = {}
+        #: Probe name -> the error that took it out during this run.
+        self.internal_errors: dict[str, str] = {}
+        #: Invariant name -> the probes it needed (for "not checked" when one of them failed).
+        self.probes_of: dict[str, tuple[str, ...]] = {}
+        self._scope: str = getattr(options, "scope", "training_step")
+        self._step_depth = 0
+        self._batch_depth = 0
+        self._active = False
+        self._handlers: dict[str, tuple[Callable[..., Any], ...]] = {}
+        #: What ``step()`` returns: stateless, so one serves every step (and nested steps).
+        self._step_block = _Step(self)
+
+    # -- what probes and checks read ---------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """Between the start and the end of the watched block."""
+        return self._active
+
+    @property
+    def scope(self) -> str:
+        """Where step checks apply: ``training_step``, ``batch`` or ``test``."""
+        return self._scope
+
+    @property
+    def in_step(self) -> bool:
+        """Inside a training step now."""
+        return self._step_depth > 0
+
+    @property
+    def in_scope(self) -> bool:
+        """Whether step checks apply right now, per the ``scope`` option."""
+        if not self._active:
+            return False
+        if self._step_depth or self._scope == "test":
+            return True
+        return self._scope == "batch" and self._batch_depth > 0
+
+    @property
+    def unit(self) -> Optional[int]:
+        """The step (for scope ``batch``: the batch) an event now belongs to; None between steps."""
+        if self._step_depth == 0 and self._batch_depth == 0:
+            return None
+        return self.batches if self._scope == "batch" else self.steps
+
+    @property
+    def units(self) -> int:
+        """Steps (for scope ``batch``: batches) seen so far."""
+        return self.batches if self._scope == "batch" else self.steps
+
+    @property
+    def unit_name(self) -> str:
+        return "batch" if self._scope == "batch" else "step"
+
+    def check(self, name: str) -> Optional[Any]:
+        """This run's check of invariant ``name``, or None when it does not check it."""
+        return self.checks.get(name)
+
+    def handlers(self, event: str) -> tuple[Callable[..., Any], ...]:
+        """The methods named ``event`` of this run's checks (cached: the checks do not change)."""
+        found = self._handlers.get(event)
+        if found is None:
+            found = tuple(
+                getattr(check, event) for check in self.checks.values() if callable(getattr(check, event, None))
+            )
+            self._handlers[event] = found
+        return found
+
+    def notify(self, event: str, *args: Any) -> None:
+        """Call ``event(*args)`` on this run's checks that define it."""
+        for handler in self.handlers(event):
+            try:
+                handler(*args)
+            except Exception as exc:  # noqa: BLE001 - see notify()
+                self.check_failed(getattr(handler.__self__, "name", "?"), exc)
+
+    def check_failed(self, name: str, exc: BaseException) -> None:
+        """A check's own code raised while handling an event: its verdict becomes "not checked"."""
+        self.internal_errors.setdefault(f"check {name}", f"{type(exc).__name__}: {exc}")
+
+    # -- steps and batches ----------------------------------------------------------------
+    def step(self) -> "_Step":
+        """Mark one training step of a plain PyTorch loop: ``with run.step(): ...``."""
+        return self._step_block
+
+    def step_started(self) -> None:
+        if self._step_depth == 0:
+            self.steps += 1
+        self._step_depth += 1
+        _refresh_scope()
+        if self._step_depth == 1:
+            starts = self.handlers("on_step_start")
+            if starts:
+                self.notify("on_step_start")
+
+    def step_ended(self) -> None:
+        depth = self._step_depth - 1
+        self._step_depth = depth if depth > 0 else 0
+        _refresh_scope()
+        if depth == 0 and self.handlers("on_step_end"):
+            self.notify("on_step_end")
+
+    def batch_started(self) -> None:
+        if self._batch_depth == 0:
+            self.batches += 1
+        self._batch_depth = 1
+        _refresh_scope()
+
+    def batch_ended(self) -> None:
+        self._batch_depth = 0
+        _refresh_scope()
+
+    # -- lifecycle (driven by ``watch``) ----------------------------------------------------
+    def start(self) -> None:
+        _ACTIVE.append(self)
+        self._active = True
+        _refresh_flags()
+
+    def stop(self) -> None:
+        """Stop watching; checks see ``on_run_end`` while the probes are still installed."""
+        if self._active:
+            self.notify("on_run_end")
+        self._active = False
+        _refresh_flags()  # before the probes are undone: scope listeners restore what they changed
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+    def finish(self) -> Report:
+        """Evaluate every check and store the :class:`Report` on ``run.report``."""
+        report = Report(steps=self.steps)
+        for name, check in self.checks.items():
+            report.checks[name] = self._result(name, check)
+        report.internal_errors = dict(self.internal_errors)
+        self.report = report
+        return report
+
+    def _result(self, name: str, check: Any) -> CheckResult:
+        broken = [(p, self.internal_errors[p]) for p in self.probes_of.get(name, ()) if p in self.internal_errors]
+        own = self.internal_errors.get(f"check {name}")
+        if own is not None:
+            broken.append((f"check {name}", own))
+        if not broken:
+            try:
+                return check.result()
+            except Exception as exc:  # noqa: BLE001 - a torchperf bug must not decide the test
+                broken.append((f"check {name}", f"{type(exc).__name__}: {exc}"))
+        where, message = broken[0]
+        what = where if where.startswith("check ") else f"probe {where}"
+        return CheckResult(name, NOT_CHECKED, f"torchperf internal error in {what}: {message}; the check is not checked")
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else ("finished" if self.report else "idle")
+        return f"<torchperf Run {state} steps={self.steps} checks={list(self.checks)}>"
+
+
+class _Step:
+    """The context manager of :meth:`Run.step` (a small class: it runs every step, so it is kept cheap)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __enter__(self) -> Run:
+        run = self.run
+        if not run._active:
+            raise RuntimeError("run.step() used outside its `with torchperf.watch()` block")
+        # step_started() and batch_started() inlined, one scope update: this runs every step.
+        if run._step_depth == 0:
+            run.steps += 1
+        run._step_depth += 1
+        if run._batch_depth == 0:
+            run.batches += 1
+        run._batch_depth = 1
+        if not FLAGS.in_scope:  # a step puts its run in scope, whatever the scope option
+            _set_in_scope(True)
+        if run._step_depth == 1 and run.handlers("on_step_start"):
+            run.notify("on_step_start")
+        return run
+
+    def __exit__(self, *exc_info: Any) -> None:
+        run = self.run
+        run._batch_depth = 0
+        depth = run._step_depth - 1
+        run._step_depth = depth if depth > 0 else 0
+        _refresh_scope()
+        if depth <= 0 and run.handlers("on_step_end"):
+            run.notify("on_step_end")

@@ -1,0 +1,35 @@
+"""Invariant ``max_overhead``: a Lightning fit's epoch time within N% of the vanilla loop derived from its module.
+
+The check itself (the replay of the observed fit, the vanilla loop, the
+statistics and where the extra time went) lives in
+:mod:`pytest_torchperf.checks.overhead`; this module declares the invariant.
+It needs no probe beyond the Lightning observer every run has: it reads the
+observed ``Trainer.fit`` calls and replays them after the test body, unwatched.
+"""
+
+from __future__ import annotations
+
+from ..arguments import Argument, Integer, Number
+from ..checks.overhead import OverheadCheck
+from ..options import OVERHEAD_MAX_ROUNDS, OVERHEAD_MIN_ROUNDS, OVERHEAD_ROUNDS
+from ..registry import Invariant
+
+NAME = "max_overhead"
+
+INVARIANT = Invariant(
+    name=NAME,
+    doc="epoch time within this fraction of a vanilla PyTorch loop (e.g. 0.10)",
+    check=OverheadCheck,
+    kind=Number(above=0.0, unit="a fraction: 0.10 means 10%"),
+    default=None,
+    arguments=(
+        Argument(
+            "overhead_rounds",
+            Integer(minimum=OVERHEAD_MIN_ROUNDS, maximum=OVERHEAD_MAX_ROUNDS, optional=False),
+            OVERHEAD_ROUNDS,
+            "max_overhead times at most this many rounds (one fit epoch and one vanilla epoch each, "
+            f"after a warm-up); it stops after {OVERHEAD_MIN_ROUNDS} once the 95% interval is clear of the threshold",
+            meaning="timed rounds of max_overhead",
+        ),
+    ),
+)

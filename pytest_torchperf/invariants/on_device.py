@@ -1,0 +1,314 @@
+"""Invariant ``on_device``: tensors are created on the device, not built on the host and copied every step.
+
+``torch.randn(shape).to(self.device)``, ``torch.tensor([...]).to(x.device)``,
+``torch.ones(n).type_as(x)`` (an idiom Lightning's docs once recommended) and
+``torch.rand(n).cuda()`` fill a tensor in host memory and copy it to the
+device, every step. ``torch.randn(shape, device=x.device)``, ``torch.ones_like(x)``,
+``x.new_tensor([...])`` or a buffer registered once in ``__init__`` do not.
+
+The probe :mod:`pytest_torchperf.probes.tensors` records every tensor a
+factory builds on the host and sends an ``on_move`` event when one of them is
+moved (``.to(device)``, ``.to(tensor)``, ``.cuda()``, ``.type_as(t)``,
+``dst.copy_(t)``). Inside a step such a move is a violation when
+
+- the tensor was built by the user's code (the factory's caller is not torch)
+  inside the step, without ``device=`` (so, on CPU-only machines too, where
+  the move is a no-op: the code is the bug); or
+- the very same tensor, built by the user's code outside the step (a plain
+  attribute set in ``__init__``), is copied in two or more steps: it should be
+  a buffer, moved once with the module.
+
+Not violations: the right idioms above, ``device="cpu"`` or ``pin_memory=True``
+written out (a host staging buffer on purpose), tensors torch builds itself
+(``nn.Linear``'s weights) and anything moved by torch's own code (``module.to()``
+moving parameters and buffers once). Lightning building its logging state on
+the host and moving it is listed as a note, not a failure.
+
+On an accelerator a real host-to-device copy of a tensor that did not come out
+of a DataLoader (and is not pinned) is reported too, at the line that copied it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..allow import AllowList
+from ..arguments import Argument, Flag, Integer, SiteList
+from ..core import Check
+from ..frames import describe_frame, locate, owner_label, stack_of
+from ..probes.tensors import PROBE as TENSORS
+from ..probes.tensors import Birth, Move
+from ..registry import Invariant
+from ..report import CheckResult, Finding, Site
+from ..stacks import TORCH, USER, Frame, Stack
+from ..text import plural
+from ._spelling import reassigns, spell
+from ._steps import PerStep, frequency, short, step_verdict
+
+if TYPE_CHECKING:
+    from ..core import Run
+
+NAME = "on_device"
+
+BUILT = "built in the step"
+CONSTANT = "built once, copied every step"
+COPY = "copied from the host"
+
+# -- per-run state and verdict ----------------------------------------------------------------
+
+
+class _Copy(PerStep):
+    """One pattern (created here, moved there) as one run saw it."""
+
+    def __init__(self, event: Move, mover: Frame, move_stack: Stack, by_user: bool, allowed_by: Optional[str]) -> None:
+        super().__init__()
+        self.birth: Optional[Birth] = event.birth
+        self.op = event.op
+        self.mover = mover
+        self.move_stack = move_stack
+        self.by_user = by_user
+        self.allowed_by = allowed_by
+        #: A tensor built inside the step was moved (the first move of it).
+        self.built_in_step = False
+        #: id(tensor) -> (weak reference, the steps it was copied in): the same tensor copied again and again.
+        self._tensors: dict[int, tuple[Any, set[Optional[int]]]] = {}
+        #: The most steps one tensor was copied in.
+        self.most_steps = 0
+        self.hint = spell(event, mover)
+        tensor = event.tensor
+        self.shape = tuple(tensor.shape)
+        self.dtype = str(tensor.dtype).replace("torch.", "")
+        self.real = event.real_copy
+
+    def record(self, event: Move, unit: Optional[int], built_in_step: bool) -> None:
+        self.add(unit)
+        self.real = self.real or event.real_copy
+        self.built_in_step = self.built_in_step or built_in_step
+        tensor = event.tensor
+        entry = self._tensors.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:  # a new tensor (maybe at a dead one's address)
+            try:
+                entry = self._tensors[id(tensor)] = (weakref.ref(tensor), set())
+            except TypeError:  # pragma: no cover
+                return
+        entry[1].add(unit)
+        self.most_steps = max(self.most_steps, len(entry[1]))
+
+    @property
+    def repeated(self) -> bool:
+        """The very same host tensor was copied in two or more steps (it should be a buffer)."""
+        return self.most_steps > 1
+
+    @property
+    def kind(self) -> str:
+        if self.birth is None:
+            return COPY
+        return CONSTANT if self.repeated else BUILT
+
+    @property
+    def broken(self) -> bool:
+        return self.birth is None or self.built_in_step or self.repeated
+
+    @property
+    def creation(self) -> Optional[Frame]:
+        return self.birth.site if self.birth else None
+
+    def to_dict(self, total: int) -> dict[str, Any]:
+        creation = self.creation
+        return {
+            "kind": self.kind,
+            "factory": f"torch.{self.birth.factory}" if self.birth else None,
+            "created_at": creation.location() if creation else None,
+            "created_source": creation.source if creation else None,
+            "moved_by": self.op,
+            "moved_at": self.mover.location(),
+            "moved_source": self.mover.source,
+            "function": self.mover.function,
+            "code": "user" if self.by_user else "framework",
+            "count": self.count,
+            "steps_with_copy": len(self.per_unit),
+            "frequency": frequency(self.per_unit, self.outside, total),
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "real_copy": self.real,
+            "allowed_by": self.allowed_by,
+            "hint": self.hint,
+        }
+
+
+class DevicePlacementCheck(Check):
+    """Per-run state and verdict of ``on_device``."""
+
+    name = NAME
+
+    def __init__(self, run: "Run") -> None:
+        super().__init__(run)
+        self.allow = AllowList(run.options.allowed_copies)
+        TENSORS.want_functions(self.allow.function_names)
+        self._copies: dict[Any, _Copy] = {}
+
+    # -- events from the probe ----------------------------------------------------------
+    def on_move(self, event: Move) -> None:
+        mover = locate(event.frame)
+        if mover.caller_kind == TORCH:
+            return  # torch's own code moved it (module.to() moving parameters and buffers once)
+        run = self.run
+        birth = event.birth
+        built_in_step = False
+        if birth is not None:
+            if birth.caller_kind == TORCH or birth.explicit or birth.site is None or birth.with_module:
+                return  # torch's own tensors, a host buffer on purpose, or one that moves with its module
+            born_in_scope = birth.in_scope_of(run)
+            if not born_in_scope and birth.caller_kind != USER:
+                return  # a library's state, built before the step
+            if not event.first and (mover.kind != USER or reassigns(mover.frame)):
+                # Moved before, and moved in place (on a CPU-only machine, always): ``self.w = self.w.to(dev)``
+                # moves it once (later moves are no-ops on the device). Libraries do this too (torchmetrics
+                # states): only the user's own ``w = self.w.to(dev)`` in a step copies it again and again.
+                return
+            # Built and moved in the same step (for scope="test": both outside steps, or in the same one).
+            built_in_step = born_in_scope and event.first and birth.unit_in(run) == run.unit
+            by_user = birth.caller_kind == USER
+        elif event.real_copy:
+            if TENSORS.from_loader(event.tensor) or _is_pinned(event.tensor):
+                return
+            by_user = mover.kind == USER
+        else:
+            return
+        if mover.frame is None:
+            return
+        allowed_by = None
+        if self.allow:
+            allowed_by = self.allow.match(mover, event.frame)
+            if allowed_by is None and birth is not None and birth.site is not None:
+                allowed_by = self.allow.match_site(birth.site.filename, birth.site.lineno)
+                allowed_by = allowed_by or self.allow.match_names(birth.functions)
+        created = (birth.site.filename, birth.site.lineno) if birth is not None and birth.site else None
+        key = (created, mover.frame.f_code, mover.frame.f_lineno, event.op, allowed_by)
+        copy = self._copies.get(key)
+        if copy is None:
+            move_stack = stack_of(event.frame)
+            copy = self._copies[key] = _Copy(event, describe_frame(mover.frame), move_stack, by_user, allowed_by)
+        copy.record(event, run.unit, built_in_step)
+
+    # -- verdict -------------------------------------------------------------------------
+    def _finding(self, copy: _Copy, note: str = "") -> Finding:
+        freq = frequency(copy.per_unit, copy.outside, self.run.units, self.run.unit_name)
+        op = {"to": ".to(...)", "cuda": ".cuda()", "type_as": ".type_as(...)", "copy_": ".copy_(...)"}[copy.op]
+        birth = copy.birth
+        facts = []
+        sites = []
+        if birth is not None and birth.site is not None:
+            made = f"torch.{birth.factory}(...)"
+            via = "".join(f".{step}()" for step in birth.path if step != "view")
+            if copy.kind == CONSTANT:
+                title = f"{note}the same {made} copied again with {op} in {copy.mover.function}: {freq}"
+            else:
+                title = f"{note}{made}{via} built on the host, then copied with {op} in {copy.mover.function}: {freq}"
+            if birth.site.location() == copy.mover.location():
+                facts.append(f"created and moved at {birth.site.location()}: {birth.site.source}")
+                sites.append(Site(f"torch.{birth.factory} then {op}", copy.move_stack, copy.count))
+            else:
+                facts.append(f"created at {birth.site.location()}: {birth.site.source}")
+                facts.append(f"moved at {copy.mover.location()}: {copy.mover.source}")
+                sites.append(Site(f"created by torch.{birth.factory}", birth.stack, copy.count))
+                sites.append(Site(f"copied by {op}", copy.move_stack, copy.count))
+        else:
+            title = f"{note}host tensor copied to the device with {op} in {copy.mover.function}: {freq}"
+            sites.append(Site(f"copied by {op}", copy.move_stack, copy.count))
+        facts.append(f"tensor: shape {tuple(copy.shape)}, {copy.dtype}")
+        if copy.kind == CONSTANT:
+            facts.append(
+                f"the very same tensor was copied in {copy.most_steps} steps: it should be built on the device once"
+            )
+        if copy.real:
+            facts.append("a real host-to-device copy on this machine")
+        else:
+            facts.append("on this CPU-only run the move is a no-op; on a GPU it is a host-to-device copy each time")
+        if copy.allowed_by:
+            facts.append(f"accepted by allowed_copies entry {copy.allowed_by!r}")
+        elif not copy.by_user:
+            facts.append(f"made by {owner_label(copy.creation or copy.mover)}, not by your code: a note, not a failure")
+        hint = copy.hint if copy.by_user and not copy.allowed_by else ""
+        if not (copy.by_user and not copy.allowed_by):
+            sites = [Site(s.label, short(s.stack), s.count) for s in sites]
+        return Finding(title, facts, sites, hint)
+
+    def result(self) -> CheckResult:
+        run = self.run
+        total = run.units
+        unit = run.unit_name
+        copies = sorted((c for c in self._copies.values() if c.broken), key=lambda c: -c.count)
+        failing = [c for c in copies if c.by_user and not c.allowed_by]
+        noted = [c for c in copies if not c.by_user and not c.allowed_by]
+        allowed = [c for c in copies if c.allowed_by]
+        figures: dict[str, Any] = {
+            "scope": run.scope,
+            "steps": total,
+            "host_built_copies": sum(c.count for c in failing),
+            "sites": len(failing),
+            "framework_copies": sum(c.count for c in noted),
+            "allowed_copies": sum(c.count for c in allowed),
+            "events": [c.to_dict(total) for c in copies],
+        }
+        extras = []
+        if noted:
+            owners = sorted({owner_label(c.creation or c.mover) for c in noted})
+            extras.append(f"{figures['framework_copies']} in {', '.join(owners)} (noted)")
+        if allowed:
+            extras.append(f"{figures['allowed_copies']} allowed")
+
+        def one_site(c: _Copy) -> str:
+            where = c.creation.location() if c.creation else c.mover.location()
+            what = "host-built tensor" if c.birth else "host tensor"
+            noun = "copy" if c.count == 1 else "copies"
+            return f"{c.count} {what} {noun} from {where}: {frequency(c.per_unit, c.outside, total, unit)}"
+
+        def many_sites(count: int, n: int) -> str:
+            noun = "copy" if count == 1 else "copies"
+            return f"{count} host-to-device {noun} of tensors built on the host, at {n} sites over {plural(total, unit)}"
+
+        return step_verdict(
+            NAME, run, what="copies", failing=failing, noted=noted, allowed=allowed, finding=self._finding,
+            figures=figures,
+            within=lambda count, worst, budget: (
+                f"{plural(count, 'host-built tensor copy', 'host-built tensor copies')}, at most {worst} in a "
+                f"{unit}: within max_copies_per_step={budget}"
+            ),
+            one_site=one_site, many_sites=many_sites,
+            clean=f"no host-built tensor copied over {plural(total, unit)}", extras=extras,
+        )
+
+
+def _is_pinned(tensor: Any) -> bool:
+    try:
+        return bool(tensor.is_pinned())
+    except Exception:  # pragma: no cover - no pinned memory on this build
+        return False
+
+
+INVARIANT = Invariant(
+    name=NAME,
+    doc="tensors are created on the device, not built on the host and copied",
+    check=DevicePlacementCheck,
+    kind=Flag(),
+    default=True,
+    probes=("tensors",),
+    arguments=(
+        Argument(
+            "allowed_copies",
+            SiteList(),
+            (),
+            "on_device accepts host-built tensors created or moved at these sites or in these "
+            "functions (same forms as allowed_syncs)",
+        ),
+        Argument(
+            "max_copies_per_step",
+            Integer(minimum=0),
+            None,
+            "on_device passes while no training step makes more than N copies of host-built tensors",
+            meaning="the most copies of host-built tensors any training step may make",
+        ),
+    ),
+)

@@ -1,0 +1,149 @@
+"""Probes: what torchperf patches in torch and Lightning to see what a training run does.
+
+A probe is installed while at least one active run checks an invariant that
+needs it (:attr:`pytest_torchperf.registry.Invariant.probes`), through a
+:class:`~pytest_torchperf.patching.Patcher` that puts every attribute back
+when the last such run ends. It forwards what it sees to the checks of the
+active runs (:mod:`pytest_torchperf.core`), and holds its own state on its
+:class:`Probe` object, emptied when it is installed and when it is removed.
+
+A probe is a guest in the user's process:
+
+- it never raises into user code: a wrapper does its bookkeeping inside
+  ``try``, calls the user's operation exactly once outside it, and hands its
+  own errors to :meth:`Probe.failed`, which takes the probe out and makes the
+  invariants that need it "not checked" with the error;
+- it never changes what torch or the user's objects do: patches are on classes
+  and modules (never on the user's instances), and CPython's type slots of a
+  patched class are kept as they were (:mod:`pytest_torchperf.patching`);
+- it says what it cannot see (:attr:`Probe.unavailable`) so that no invariant
+  passes on observations it never made.
+
+Built-in probes are the modules of this package, each with a ``PROBE``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import core
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+
+__all__ = ["Probe", "accelerator_available", "cuda_available", "guard", "is_compiling_function", "relocate_warnings"]
+
+
+class Probe:
+    """Base class of a probe. Subclasses set :attr:`name` and define :meth:`install` and :meth:`reset`."""
+
+    #: The name invariants use to ask for it (``"syncs"``).
+    name: str = ""
+    #: Names of the probes that must be installed before this one.
+    needs: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        #: What this probe could not attach to in this process (feature -> why); reset with the probe.
+        self.unavailable: dict[str, str] = {}
+
+    def install(self, patcher: "Patcher") -> None:  # pragma: no cover - abstract
+        """Patch what the probe watches through ``patcher`` (undone by ``patcher.undo()``)."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget everything seen: called before :meth:`install` and when the probe is removed."""
+        self.unavailable = {}
+
+    def failed(self, exc: BaseException) -> None:
+        """This probe's own code raised: record it and take the probe out (never raises)."""
+        core.probe_failed(self.name, exc)
+
+    def __repr__(self) -> str:
+        return f"<torchperf probe {self.name}>"
+
+
+def is_compiling_function() -> Callable[[], bool]:
+    """``torch.compiler.is_compiling``: True while torch.compile traces.
+
+    TorchDynamo folds it to True, and its fake-tensor and AOT passes set it,
+    so a wrapper that checks it first calls straight through and records
+    nothing while a graph is being built (its compiled code then never guards
+    on torchperf's state).
+    """
+    import torch
+
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if fn is None:  # pragma: no cover - torch < 2.3
+        fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return fn or (lambda: False)
+
+
+def cuda_available() -> bool:
+    """Whether this machine has a CUDA device (the device pinned memory and autocast checks are for)."""
+    import torch
+
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken driver is no device
+        return False
+
+
+def accelerator_available() -> bool:
+    """Whether a real host-to-device copy can happen here (CUDA or Apple MPS)."""
+    import torch
+
+    if cuda_available():
+        return True
+    mps = getattr(getattr(torch, "backends", None), "mps", None)
+    try:
+        return bool(mps is not None and mps.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def guard(probe: Probe, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` for a cold path (per epoch, per Trainer call): its errors go to ``probe.failed``, never up."""
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            probe.failed(exc)
+            return None
+
+    return guarded
+
+
+def relocate_warnings(patcher: "Patcher") -> None:
+    """Show a warning torch raises inside one of the wrappers at the caller's line, not the wrapper's.
+
+    A warning raised by C code (``float()`` of a tensor that requires grad,
+    ``torch.tensor(a_tensor)``, ``torch.from_numpy`` of a read-only array...) is
+    located at the innermost Python frame, which is now a torchperf wrapper.
+    The display hook moves it to the first frame outside torchperf, so pytest's
+    warnings summary points at the user's line as it would without the watch.
+    """
+    import sys
+    import warnings
+
+    from .. import stacks
+    from ..frames import kind_of
+    from ..stacks import TORCHPERF
+
+    original = getattr(warnings, "_showwarnmsg", None)
+    if original is None:  # pragma: no cover - not CPython's warnings module
+        return
+
+    def _showwarnmsg(msg: Any) -> Any:
+        try:
+            if stacks.classify(msg.filename) == TORCHPERF:
+                f = sys._getframe(1)
+                while f is not None and kind_of(f.f_code) == TORCHPERF:
+                    f = f.f_back
+                if f is not None:
+                    msg.filename, msg.lineno, msg.line = f.f_code.co_filename, f.f_lineno, None
+        except Exception:  # noqa: BLE001 - show it where it was
+            pass
+        return original(msg)
+
+    patcher.setattr(warnings, "_showwarnmsg", _showwarnmsg)

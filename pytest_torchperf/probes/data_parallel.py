@@ -1,0 +1,80 @@
+"""Probe ``data_parallel``: ``torch.nn.DataParallel`` instances built and forward passes made.
+
+Wraps ``DataParallel.__init__`` (remembers where an instance was built) and
+``DataParallel.forward`` (sends ``on_data_parallel_forward(module, stack)`` to
+the checks of the active runs, the stack captured lazily, once).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import core
+from ..core import FLAGS
+from ..stacks import Stack, capture
+from . import Probe
+from .loaders import until_user_frame
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+
+__all__ = ["DataParallelProbe", "PROBE"]
+
+
+class DataParallelProbe(Probe):
+    name = "data_parallel"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: "weakref.WeakKeyDictionary[Any, Stack]" = weakref.WeakKeyDictionary()
+
+    def reset(self) -> None:
+        super().reset()
+        self.created.clear()
+
+    def install(self, patcher: "Patcher") -> None:
+        import torch
+
+        self.reset()
+        patcher.callback(self.reset)
+        flags = FLAGS
+        probe = self
+        dp = torch.nn.DataParallel
+
+        def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                __tracebackhide__ = True
+                original(self, *args, **kwargs)
+                if flags.active:
+                    try:
+                        probe.created[self] = until_user_frame(capture(2))
+                    except Exception as exc:  # noqa: BLE001 - never into the user's code
+                        probe.failed(exc)
+
+            return __init__
+
+        def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if flags.active:
+                    stack: list[Stack] = []
+
+                    def lazy() -> Stack:
+                        if not stack:
+                            stack.append(capture(4))
+                        return stack[0]
+
+                    core.notify("on_data_parallel_forward", self, lazy)
+                return original(self, *args, **kwargs)
+
+            return forward
+
+        patcher.wrap(dp, "__init__", wrap_init)
+        patcher.wrap(dp, "forward", wrap_forward)
+
+
+PROBE = DataParallelProbe()

@@ -1,0 +1,122 @@
+"""Probe ``recompiles``: dynamo's recompilations, with the guards that failed, and its compile starts.
+
+Patches two functions in ``torch._dynamo.convert_frame`` (now if dynamo is
+imported, else as soon as it is): ``get_and_maybe_log_recompilation_reasons``,
+called on every recompile with the failing guards (the same text
+``TORCH_LOGS=recompiles`` prints), which sends ``on_recompile(code, reasons,
+stack)``, and ``exceeds_recompile_limit``, which sends
+``on_recompile_limit(name)`` when a limit is hit. Compiles are counted with
+dynamo's compile-start callback (``on_compile()``). Nothing changes dynamo's
+behaviour or logging. :attr:`RecompilesProbe.attached` says whether this torch's
+dynamo has the hooks it reads (None: dynamo was never imported).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from .. import core
+from ..core import FLAGS
+from ..stacks import capture
+from . import Probe, guard
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+
+__all__ = ["RecompilesProbe", "PROBE"]
+
+_CONVERT_FRAME = "torch._dynamo.convert_frame"
+#: Names across torch versions (newest first).
+_REASONS = ("get_and_maybe_log_recompilation_reasons", "get_and_maybe_log_recompilation_reason")
+_LIMITS = ("exceeds_recompile_limit", "exceeds_cache_size_limit")
+
+
+class RecompilesProbe(Probe):
+    name = "recompiles"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attached: Optional[bool] = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.attached = None
+
+    def install(self, patcher: "Patcher") -> None:
+        """Attach to dynamo now if it is imported, else as soon as it is; undone by ``patcher``."""
+        self.reset()
+        patcher.callback(self.reset)
+        patcher.on_import(_CONVERT_FRAME, guard(self, lambda module: self._attach(patcher, module)))
+
+    def _attach(self, patcher: "Patcher", convert_frame: Any) -> None:
+        """Patch dynamo's recompilation entry points in ``convert_frame``."""
+        flags = FLAGS
+        probe = self
+        reasons_name = next((n for n in _REASONS if callable(getattr(convert_frame, n, None))), None)
+        limit_name = next((n for n in _LIMITS if callable(getattr(convert_frame, n, None))), None)
+        self.attached = reasons_name is not None
+        if reasons_name is None:
+            self.unavailable["recompiles"] = "this torch version's dynamo has no recompilation hook torchperf knows"
+            return
+
+        def wrap_reasons(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def reasons(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                if flags.active and not kwargs.get("skip_logging"):
+                    try:
+                        frame = args[1] if len(args) > 1 else kwargs.get("frame")
+                        code = getattr(frame, "f_code", None)
+                        if code is not None and core.handlers("on_recompile"):
+                            found = [str(r) for r in (out or [])] if isinstance(out, (list, tuple)) else [str(out)]
+                            core.notify("on_recompile", code, found, capture(2))
+                    except Exception as exc:  # noqa: BLE001 - never into the user's code
+                        probe.failed(exc)
+                return out
+
+            return reasons
+
+        def wrap_limit(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def exceeds(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                try:
+                    exceeded, which = (out[0], out[1]) if isinstance(out, tuple) else (bool(out), "cache_size_limit")
+                    if exceeded and flags.active:
+                        core.notify("on_recompile_limit", which or "recompile_limit")
+                except Exception as exc:  # noqa: BLE001
+                    probe.failed(exc)
+                return out
+
+            return exceeds
+
+        patcher.wrap(convert_frame, reasons_name, wrap_reasons)
+        if limit_name is not None:
+            patcher.wrap(convert_frame, limit_name, wrap_limit)
+
+        try:
+            callback_module: Any = importlib.import_module("torch._dynamo.callback")
+        except ImportError:  # pragma: no cover - torch without compile callbacks
+            callback_module = None
+        handler = getattr(callback_module, "callback_handler", None)
+        if handler is not None and hasattr(handler, "register_start_callback"):
+
+            def on_start(args: Any) -> None:
+                trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+                if flags.active and trigger == "DYNAMO":
+                    core.notify("on_compile")
+
+            handler.register_start_callback(on_start)
+
+            def remove() -> None:
+                try:
+                    handler.remove_start_callback(on_start)
+                except ValueError:  # already cleared by someone else
+                    pass
+
+            patcher.callback(remove)
+
+
+PROBE = RecompilesProbe()

@@ -1,0 +1,512 @@
+"""Probe ``syncs``: the operations that make the host wait for the device, caught on CPU-only CI too.
+
+An ``.item()`` in a training step makes the CPU wait until the GPU has run
+every kernel queued so far, every step; so do ``float(t)``, ``if t > x:``, an
+f-string or ``print`` of a tensor, ``.tolist()``, ``.numpy()``, ``.cpu()``
+and every operation whose output size depends on the data (``nonzero``,
+``masked_select``, ``unique``, boolean-mask indexing...). On a CPU there is
+nothing to wait for, so ``torch.cuda.set_sync_debug_mode`` cannot see them.
+
+The probe patches only the operations of interest: the Tensor methods in
+:data:`METHODS` and the ``torch`` functions in :data:`FUNCTIONS` (a Python
+wrapper on a few methods costs about 1% of a small step; intercepting every
+torch call with a ``TorchFunctionMode`` costs 30-90%). Outside a step a
+wrapper does one attribute load and calls through. Inside a step an operation
+is a :class:`Sync` event (sent to the checks in scope as ``on_sync``) when the
+tensor it reads is one that lives on the accelerator:
+
+- a tensor on a non-CPU device really synchronises;
+- on a CPU-only machine, a CPU tensor *would* synchronise on an accelerator,
+  unless it is a host tensor by construction (:mod:`.tensors`); reads of those
+  are counted apart (:attr:`SyncsProbe.host_reads`) and are never events;
+- on a machine where CUDA is in use, a CPU tensor is a host tensor.
+
+An operation made inside another one (``print`` reading the values with
+``.item()``) is one event. Boolean-mask indexing is seen through
+``Tensor.__getitem__``/``__setitem__``, patched with the class's type slots
+kept as they were (see :mod:`pytest_torchperf._slots`); on an interpreter where
+that cannot be guaranteed those two are not patched and the probe says so
+(:attr:`~pytest_torchperf.probes.Probe.unavailable`). On CUDA,
+``torch.cuda.set_sync_debug_mode("warn")`` is switched on inside steps and
+restored outside them; its warnings confirm the events above and add the
+synchronising operations no wrapper sees (blocking copies, ``index_put_``
+with a mask...), at their lines.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from .. import core
+from ..core import FLAGS
+from ..frames import Located, locate
+from ..patching import SlotPatchUnsupported
+from . import Probe
+from .tensors import PROBE as TENSORS
+from .tensors import _subclass_dispatch
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+
+__all__ = ["Op", "Sync", "SyncsProbe", "PROBE", "METHODS", "FUNCTIONS", "HOST", "WOULD"]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One caught operation: how the report names it and which hint goes with it."""
+
+    name: str
+    label: str
+    hint: str
+
+
+#: Tensor methods patched, and how the report names them.
+METHODS = {
+    "item": Op("item", "`.item()`", "value"),
+    "__float__": Op("__float__", "`float(tensor)`", "value"),
+    "__int__": Op("__int__", "`int(tensor)`", "value"),
+    "__complex__": Op("__complex__", "`complex(tensor)`", "value"),
+    "__index__": Op("__index__", "a tensor used as a Python int (`range(t)`, `seq[t]`)", "value"),
+    "__bool__": Op("__bool__", "`bool(tensor)` (`if`/`while`/`assert`/`and`/`or` on a tensor)", "branch"),
+    "__contains__": Op("__contains__", "`value in tensor`", "branch"),
+    "equal": Op("equal", "`.equal()` (a Python bool)", "branch"),
+    "allclose": Op("allclose", "`.allclose()` (a Python bool)", "branch"),
+    "tolist": Op("tolist", "`.tolist()`", "host"),
+    "numpy": Op("numpy", "`.numpy()`", "host"),
+    "cpu": Op("cpu", "`.cpu()`", "host"),
+    "__format__": Op("__format__", "an f-string or `format()` of a tensor", "print"),
+    "__repr__": Op("__repr__", "`print`/`str`/`repr` of a tensor", "print"),
+    "nonzero": Op("nonzero", "`nonzero`", "shape"),
+    "argwhere": Op("argwhere", "`argwhere`", "shape"),
+    "masked_select": Op("masked_select", "`masked_select`", "shape"),
+    "unique": Op("unique", "`unique`", "unique"),
+    "unique_consecutive": Op("unique_consecutive", "`unique_consecutive`", "unique"),
+    "bincount": Op("bincount", "`bincount`", "bincount"),
+    "repeat_interleave": Op("repeat_interleave", "`repeat_interleave` with tensor repeats", "repeat"),
+    "__getitem__": Op("__getitem__", "boolean-mask indexing `x[mask]`", "shape"),
+    "__setitem__": Op("__setitem__", "boolean-mask assignment `x[mask] = values`", "shape"),
+}
+#: ``torch`` functions patched (their Tensor-method twins are in METHODS).
+FUNCTIONS = {
+    "nonzero": METHODS["nonzero"],
+    "argwhere": METHODS["argwhere"],
+    "masked_select": METHODS["masked_select"],
+    "unique": METHODS["unique"],
+    "unique_consecutive": METHODS["unique_consecutive"],
+    "bincount": METHODS["bincount"],
+    "repeat_interleave": METHODS["repeat_interleave"],
+    "equal": METHODS["equal"],
+    "allclose": METHODS["allclose"],
+    "is_nonzero": Op("is_nonzero", "`torch.is_nonzero`", "branch"),
+    "where": Op("where", "`torch.where(condition)` with one argument", "shape"),
+}
+ONE_HOT = Op("one_hot", "`F.one_hot` without `num_classes`", "one_hot")
+SYNCHRONIZE = Op("synchronize", "`torch.cuda.synchronize()`", "synchronize")
+CUDA_REPORTED = Op("cuda_sync", "a synchronising CUDA operation", "cuda")
+
+_SYNC_WARNING = re.compile(r"called a synchronizing CUDA operation")
+
+#: Device verdicts for the tensor an operation reads, from "not an event" to "really synchronises".
+HOST = "host"
+WOULD = "cpu"  # a CPU tensor on a CPU-only machine: would synchronise on an accelerator
+
+_UNARY = frozenset(("item", "__float__", "__int__", "__complex__", "__index__", "__bool__", "tolist"))
+
+
+@dataclass(frozen=True)
+class Sync:
+    """One synchronising operation inside the scope, as the ``on_sync`` event carries it."""
+
+    op: Op
+    located: Located
+    frame: Optional[FrameType]
+    #: ``"cpu"`` (would synchronise on an accelerator) or the device it really synchronised on.
+    device: str
+
+
+class SyncsProbe(Probe):
+    """Wrappers of the synchronising operations (see the module's docstring)."""
+
+    name = "syncs"
+    needs = ("tensors",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self.depth = 0
+        #: What the handlers returned for the event being executed (a CUDA warning that follows confirms them).
+        self.current: Optional[list[Any]] = None
+        self.confirmed = False
+        #: ``(weakref to the result, site key)`` of the last ``.cpu()`` event: reads chained on it at the
+        #: same line (``x.cpu().numpy()``) are the same copy, counted once.
+        self.chain: Optional[tuple[Any, Any]] = None
+        self.thread: Optional[int] = None
+        self.pid: Optional[int] = None
+        #: Reads of host tensors inside steps: not syncs, counted for the report.
+        self.host_reads = 0
+
+    # -- events ----------------------------------------------------------------------------
+    def send(self, event: Sync) -> list[Any]:
+        """Send ``event`` to the checks in scope; returns what they returned (their confirmable records)."""
+        out = []
+        for handler in core.handlers("on_sync", in_scope=True):
+            try:
+                record = handler(event)
+            except Exception as exc:  # noqa: BLE001 - a check's bug is that check's
+                _check_failed(handler, exc)
+                continue
+            if record is not None:
+                out.append(record)
+        return out
+
+    def cuda_event(self, op: Op, frame: Optional[FrameType]) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        for record in self.send(Sync(op, locate(frame), frame, "cuda")):
+            record.confirmed += 1
+
+    # -- install ---------------------------------------------------------------------------
+    def install(self, patcher: "Patcher") -> None:
+        """Patch the synchronising operations; undone by ``patcher``."""
+        import torch
+        import torch.nn.functional as F
+
+        self.reset()
+        patcher.callback(self.reset)
+        tensor_type = torch.Tensor
+        flags = FLAGS
+        is_compiling = TENSORS.compiling
+        getframe = sys._getframe
+        probe = self
+        self.thread, self.pid = threading.get_ident(), os.getpid()
+        masks = (torch.bool, torch.uint8)
+        cuda_available = torch.cuda.is_available()
+        is_host_tensor = TENSORS.is_host_tensor
+        dispatch = _subclass_dispatch(torch)
+
+        def device_of(t: Any) -> Optional[str]:
+            """The verdict for one tensor an operation reads."""
+            if not isinstance(t, tensor_type):
+                return None
+            device = t.device
+            kind = device.type
+            if kind == "cpu":
+                if is_host_tensor(t):
+                    return HOST
+                if cuda_available and torch.cuda.is_initialized():
+                    return HOST
+                return WOULD
+            if kind == "meta":
+                return None
+            return str(device)
+
+        def worst(*tensors: Any) -> Optional[str]:
+            verdict = None
+            for t in tensors:
+                v = device_of(t)
+                if v is None:
+                    continue
+                if v not in (HOST, WOULD):
+                    return v
+                if v == WOULD or verdict is None:
+                    verdict = v
+            return verdict
+
+        def mask_in(index: Any) -> Any:
+            if isinstance(index, tensor_type):
+                return index if index.dtype in masks else None
+            if isinstance(index, tuple):
+                for item in index:
+                    if isinstance(item, tensor_type) and item.dtype in masks:
+                        return item
+            return None
+
+        def verdict(op: str, this: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[str]:
+            """The device verdict for ``op`` applied to ``this``, None when the call cannot synchronise."""
+            if op == "__getitem__":
+                mask = mask_in(args[0]) if args else None
+                return worst(mask) if mask is not None else None
+            if op == "__setitem__":
+                mask = mask_in(args[0]) if args else None
+                value = args[1] if len(args) > 1 else None
+                if mask is None or not isinstance(value, tensor_type):
+                    return None  # a scalar value is a masked_fill_: no sync
+                if value.numel() == 1 and device_of(value) == HOST:
+                    return None
+                return worst(mask, value)
+            if op in ("masked_select", "equal", "allclose"):
+                other = args[0] if args else kwargs.get("mask", kwargs.get("other"))
+                return worst(this, other)
+            if op == "where":
+                return worst(this) if not args and not kwargs else None
+            if op == "repeat_interleave":
+                repeats = args[0] if args else kwargs.get("repeats")
+                if kwargs.get("output_size") is not None or (len(args) >= 3 and args[2] is not None):
+                    return None
+                if repeats is None:
+                    return worst(this)  # torch.repeat_interleave(repeats_tensor)
+                return worst(repeats) if isinstance(repeats, tensor_type) else None
+            if op == "one_hot":
+                classes = args[0] if args else kwargs.get("num_classes", -1)
+                return worst(this) if classes in (-1, None) else None
+            return worst(this)
+
+        def before(op: Op, this: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   frame: Optional[FrameType]) -> Optional[tuple[list[Any], Located]]:
+            """Decide whether the call is an event and send it; None: call through untouched."""
+            if probe.depth or threading.get_ident() != probe.thread or os.getpid() != probe.pid:
+                return None
+            device = verdict(op.name, this, args, kwargs)
+            if device is None:
+                return None
+            if device == HOST:
+                probe.host_reads += 1
+                return None
+            if not core.handlers("on_sync", in_scope=True):
+                return None
+            located = locate(frame)
+            chain = probe.chain
+            if chain is not None and chain[0]() is this and chain[1] == located.key:
+                return None  # x.cpu().numpy(): one copy, counted at .cpu()
+            return probe.send(Sync(op, located, frame, device)), located
+
+        def after(op: Op, this: Any, out: Any, located: Located) -> None:
+            if op.name == "cpu":
+                if out is not this and isinstance(out, tensor_type):
+                    TENSORS.mark_host(out)
+                try:
+                    probe.chain = (weakref.ref(out), located.key)
+                except TypeError:  # pragma: no cover
+                    probe.chain = None
+
+        def observe(op: Op, original: Callable[..., Any], this: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], frame: Optional[FrameType]) -> Any:
+            try:
+                seen = before(op, this, args, kwargs, frame)
+            except Exception as exc:  # noqa: BLE001 - never into the user's code
+                probe.failed(exc)
+                seen = None
+            if seen is None:
+                return original(this, *args, **kwargs)
+            records, located = seen
+            probe.depth += 1
+            previous, probe.current, probe.confirmed = probe.current, records, False
+            try:
+                out = original(this, *args, **kwargs)
+            finally:
+                probe.depth -= 1
+                probe.current = previous
+            try:
+                after(op, this, out, located)
+            except Exception as exc:  # noqa: BLE001
+                probe.failed(exc)
+            return out
+
+        def method(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if type(self) is not tensor_type and dispatch.overrides(self):
+                    return dispatch.call(original, self, args, kwargs)
+                if not is_compiling() and flags.in_scope:
+                    return observe(op, original, self, args, kwargs, getframe(1))
+                return original(self, *args, **kwargs)
+
+            return functools.wraps(original)(wrapper)
+
+        host_get = TENSORS.host.get
+
+        def unary(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(self: Any) -> Any:
+                __tracebackhide__ = True
+                if type(self) is not tensor_type and dispatch.overrides(self):
+                    return dispatch.call(original, self, (), {})
+                if is_compiling() or not flags.in_scope:
+                    return original(self)
+                # Fast path for the most common read inside a step: a host tensor (an optimizer's step
+                # counter read with .item() once per parameter per step).
+                ref = host_get(id(self))
+                if ref is not None and ref() is self:
+                    probe.host_reads += 1
+                    return original(self)
+                return observe(op, original, self, (), {}, getframe(1))
+
+            return functools.wraps(original)(wrapper)
+
+        def getitem(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
+            def __getitem__(self: Any, index: Any) -> Any:
+                __tracebackhide__ = True
+                if type(self) is not tensor_type and dispatch.overrides(self):
+                    return dispatch.call(original, self, (index,), {})
+                if not is_compiling() and flags.in_scope and _mask_or_none(mask_in, index) is not None:
+                    return observe(op, original, self, (index,), {}, getframe(1))
+                return original(self, index)
+
+            return functools.wraps(original)(__getitem__)
+
+        def setitem(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
+            def __setitem__(self: Any, index: Any, value: Any) -> None:
+                __tracebackhide__ = True
+                if type(self) is not tensor_type and dispatch.overrides(self):
+                    dispatch.call(original, self, (index, value), {})
+                    return
+                if not is_compiling() and flags.in_scope and _mask_or_none(mask_in, index) is not None:
+                    observe(op, original, self, (index, value), {}, getframe(1))
+                    return
+                original(self, index, value)
+
+            return functools.wraps(original)(__setitem__)
+
+        def function(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if args and not is_compiling() and flags.in_scope:
+                    return observe(op, original, args[0], args[1:], kwargs, getframe(1))
+                return original(*args, **kwargs)
+
+            return functools.wraps(original)(wrapper)
+
+        def where(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                # Only the one-argument form synchronises; torch.where(c, a, b) is the cure and stays cheap.
+                if len(args) == 1 and not kwargs and not is_compiling() and flags.in_scope:
+                    return observe(op, original, args[0], (), {}, getframe(1))
+                return original(*args, **kwargs)
+
+            return functools.wraps(original)(wrapper)
+
+        for name, op in METHODS.items():
+            if not hasattr(tensor_type, name):
+                continue
+            if name == "__getitem__":
+                make = getitem
+            elif name == "__setitem__":
+                make = setitem
+            elif name in _UNARY:
+                make = unary
+            else:
+                make = method
+            try:
+                patcher.wrap(tensor_type, name, lambda original, op=op, make=make: make(op, original))
+            except SlotPatchUnsupported as exc:
+                self.unavailable["mask_indexing"] = f"boolean-mask indexing is not watched here: {exc}"
+        for name, op in FUNCTIONS.items():
+            if getattr(torch, name, None) is not None:
+                make_function = where if name == "where" else function
+                patcher.wrap(torch, name, lambda original, op=op, make=make_function: make(op, original))
+        patcher.wrap(F, "one_hot", lambda original: function(ONE_HOT, original))
+
+        if cuda_available:
+            self._install_cuda(patcher, torch)
+
+    def _install_cuda(self, patcher: "Patcher", torch: Any) -> None:
+        """On CUDA: count ``torch.cuda.synchronize()`` and listen to ``set_sync_debug_mode("warn")`` in steps."""
+        probe = self
+        cuda = torch.cuda
+        is_compiling = TENSORS.compiling
+
+        def synchronize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+            def synchronize(*args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if FLAGS.in_scope and not is_compiling() and probe.depth == 0:
+                    try:
+                        probe.cuda_event(SYNCHRONIZE, sys._getframe(1))
+                    except Exception as exc:  # noqa: BLE001
+                        probe.failed(exc)
+                    probe.depth += 1
+                    try:
+                        return original(*args, **kwargs)
+                    finally:
+                        probe.depth -= 1
+                return original(*args, **kwargs)
+
+            return functools.wraps(original)(synchronize)
+
+        patcher.wrap(cuda, "synchronize", synchronize_wrapper)
+
+        previous: list[Any] = []
+
+        def on_scope(in_scope: bool) -> None:
+            try:
+                if in_scope:
+                    if cuda.is_initialized() and not previous:
+                        previous.append(cuda.get_sync_debug_mode())
+                        cuda.set_sync_debug_mode("warn")
+                elif previous:
+                    cuda.set_sync_debug_mode(previous.pop())
+            except Exception:  # noqa: BLE001 - a broken CUDA context must not break the step
+                previous.clear()
+
+        def restore() -> None:
+            if previous:
+                cuda.set_sync_debug_mode(previous.pop())
+
+        FLAGS.listeners.append(on_scope)
+        patcher.callback(lambda: FLAGS.listeners.remove(on_scope) if on_scope in FLAGS.listeners else None)
+        patcher.callback(restore)
+
+        # The warning is issued at the Python line that made the CUDA call: take it from
+        # the display hook, record it, and keep it out of the user's warnings summary.
+        warnings.filterwarnings("always", message=_SYNC_WARNING.pattern, category=UserWarning)
+        entry = warnings.filters[0]
+
+        def remove_filter() -> None:
+            if entry in warnings.filters:
+                warnings.filters.remove(entry)
+                mutated = getattr(warnings, "_filters_mutated", None)
+                if mutated is not None:
+                    mutated()
+
+        patcher.callback(remove_filter)
+
+        def show_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+            def _showwarnmsg(msg: Any) -> Any:
+                if isinstance(msg.message, UserWarning) and _SYNC_WARNING.search(str(msg.message)):
+                    try:
+                        if FLAGS.in_scope:
+                            if probe.current is not None:
+                                if not probe.confirmed:
+                                    probe.confirmed = True
+                                    for record in probe.current:
+                                        record.confirmed += 1
+                            else:
+                                probe.cuda_event(CUDA_REPORTED, sys._getframe(1))
+                    except Exception as exc:  # noqa: BLE001
+                        probe.failed(exc)
+                    return None
+                return original(msg)
+
+            return _showwarnmsg
+
+        if hasattr(warnings, "_showwarnmsg"):
+            patcher.wrap(warnings, "_showwarnmsg", show_wrapper)
+
+
+def _mask_or_none(mask_in: Callable[[Any], Any], index: Any) -> Any:
+    try:
+        return mask_in(index)
+    except Exception:  # noqa: BLE001 - an index torchperf does not understand is not a mask
+        return None
+
+
+def _check_failed(handler: Callable[..., Any], exc: BaseException) -> None:
+    check = getattr(handler, "__self__", None)
+    name = getattr(check, "name", "?")
+    for run in core.active_runs():
+        if run.checks.get(name) is check:
+            run.check_failed(name, exc)
+
+
+PROBE = SyncsProbe()

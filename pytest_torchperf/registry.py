@@ -1,0 +1,333 @@
+"""The invariant registry: every invariant declared once, built-in and third-party alike.
+
+An invariant is one :class:`Invariant` object in its own module: its name,
+the value that turns it on (``True``, or a number such as ``max_overhead=0.1``),
+the settings that tune it (:class:`~pytest_torchperf.arguments.Argument`), the
+probes it needs and the class of its per-run check. That one declaration
+drives the validation of ``@pytest.mark.torchperf(...)`` / ``watch(...)``
+arguments and their error messages, the marker's signature in
+``pytest --markers``, the README's argument tables, the JSON schema of the
+options, which probes a run installs and which checks it builds.
+
+Built-in invariants live in :mod:`pytest_torchperf.invariants`, one module
+each. Other packages add theirs through the entry-point group
+``pytest_torchperf.invariants``::
+
+    [project.entry-points."pytest_torchperf.invariants"]
+    no_host_to_device_in_forward = "acme_torchperf.forward:INVARIANT"
+
+(an entry point may also name a module with an ``INVARIANT`` attribute, or a
+list of invariants), or at run time with :func:`register`. Modules are found
+by name, so this module imports none of them, and nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Union
+
+from .arguments import Argument, ArgumentKind, Choice, Flag, UsageError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Invariant",
+    "SCOPES",
+    "SCOPE",
+    "all_arguments",
+    "get",
+    "invariants",
+    "make_checks",
+    "markdown_table",
+    "options_schema",
+    "probes_for",
+    "register",
+    "unregister",
+]
+
+ENTRY_POINT_GROUP = "pytest_torchperf.invariants"
+
+#: Where the step checks apply.
+SCOPES = ("training_step", "batch", "test")
+
+#: The argument every run has: where the step checks apply.
+SCOPE = Argument(
+    "scope",
+    Choice(SCOPES),
+    "training_step",
+    "where step checks apply: 'training_step', 'batch' (batch start to batch end) or 'test'",
+)
+
+#: The built-in invariants, in the order reports list them (module names in ``pytest_torchperf.invariants``).
+BUILTIN = (
+    "no_host_sync",
+    "on_device",
+    "no_iterator_reset",
+    "max_overhead",
+    "min_workers",
+    "pin_memory",
+    "no_empty_cache",
+    "no_data_parallel",
+    "grads_set_to_none",
+    "no_recompiles",
+    "mixed_precision",
+)
+
+#: Names an argument may not take: they are attributes of ``Options`` itself.
+_RESERVED = frozenset(("enabled_checks", "to_dict", "replace", "values"))
+
+
+@dataclass(frozen=True)
+class Invariant:
+    """One invariant: what turns it on, what tunes it, what it needs to see, and its check.
+
+    - ``name``: the marker argument that turns it on (``no_host_sync``).
+    - ``doc``: one line, shown in the README table and ``pytest --markers``.
+    - ``check``: called as ``check(run)`` for every run that checks it; returns an object
+      with ``result() -> CheckResult`` and event methods (see :class:`pytest_torchperf.Check`).
+    - ``kind`` / ``default``: its own value. A :class:`~pytest_torchperf.arguments.Flag`
+      invariant is on when ``True``; any other kind is on when not ``None``.
+    - ``arguments``: settings that tune it (``allowed_syncs``...), each validated likewise.
+    - ``probes``: the probes its check listens to, by built-in name (``"syncs"``) or as
+      :class:`~pytest_torchperf.probes.Probe` objects; installed while a run checks it.
+    """
+
+    name: str
+    doc: str
+    check: Callable[[Any], Any]
+    kind: ArgumentKind = field(default_factory=Flag)
+    default: Any = False
+    arguments: tuple[Argument, ...] = ()
+    probes: tuple[Any, ...] = ()
+    #: Quoted in the error message of a wrong value (``"the fewest DataLoader workers"``).
+    meaning: str = ""
+
+    @property
+    def argument(self) -> Argument:
+        """The invariant's own argument (its name, kind and default)."""
+        return Argument(self.name, self.kind, self.default, self.doc, self.meaning)
+
+    def enabled(self, value: Any) -> bool:
+        if isinstance(self.kind, Flag):
+            return value is True
+        return value is not None
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self._invariants: Optional[dict[str, Invariant]] = None
+        self._extra: dict[str, Invariant] = {}
+        self._arguments: Optional[dict[str, tuple[Argument, Optional[Invariant]]]] = None
+
+    def invariants(self) -> dict[str, Invariant]:
+        if self._invariants is None:
+            found: dict[str, Invariant] = {}
+            for name in BUILTIN:
+                module = importlib.import_module(f"pytest_torchperf.invariants.{name}")
+                _add(found, module.INVARIANT, f"pytest_torchperf.invariants.{name}")
+            for source, invariant in _from_entry_points():
+                _add(found, invariant, source)
+            self._invariants = found
+        out = dict(self._invariants)
+        for name, invariant in self._extra.items():
+            _add(out, invariant, "register()")
+        return out
+
+    def arguments(self) -> dict[str, tuple[Argument, Optional[Invariant]]]:
+        """Every argument, in the marker's order: the invariants, ``scope``, then their settings."""
+        if self._arguments is None:
+            invariants = self.invariants()
+            args: dict[str, tuple[Argument, Optional[Invariant]]] = {}
+            for inv in invariants.values():
+                args[inv.name] = (inv.argument, inv)
+            args[SCOPE.name] = (SCOPE, None)
+            for inv in invariants.values():
+                for arg in inv.arguments:
+                    if arg.name in args:
+                        raise UsageError(
+                            f"pytest-torchperf: invariant {inv.name!r} declares argument {arg.name!r}, "
+                            "which another invariant already declares"
+                        )
+                    args[arg.name] = (arg, inv)
+            self._arguments = args
+        return self._arguments
+
+    def register(self, invariant: Invariant) -> None:
+        if invariant.name in self.invariants():
+            raise UsageError(f"pytest-torchperf: an invariant named {invariant.name!r} is already registered")
+        _validate(invariant, "register()")
+        self._extra[invariant.name] = invariant
+        self._arguments = None
+
+    def unregister(self, name: str) -> None:
+        self._extra.pop(name, None)
+        self._arguments = None
+
+
+def _validate(invariant: Any, source: str) -> None:
+    if not isinstance(invariant, Invariant):
+        raise UsageError(
+            f"pytest-torchperf: {source} provides {invariant!r}, not a pytest_torchperf.Invariant"
+        )
+    names = [invariant.name] + [a.name for a in invariant.arguments]
+    for name in names:
+        if not name.isidentifier() or name in _RESERVED or name.startswith("_"):
+            raise UsageError(f"pytest-torchperf: {source}: {name!r} cannot be an argument name")
+    if len(set(names)) != len(names):
+        raise UsageError(f"pytest-torchperf: {source}: invariant {invariant.name!r} repeats an argument name")
+
+
+def _add(found: dict[str, Invariant], invariant: Any, source: str) -> None:
+    _validate(invariant, source)
+    if invariant.name in found or invariant.name == SCOPE.name:
+        raise UsageError(
+            f"pytest-torchperf: {source} registers the invariant {invariant.name!r}, which is already registered"
+        )
+    found[invariant.name] = invariant
+
+
+def _from_entry_points() -> list[tuple[str, Invariant]]:
+    """``(source, invariant)`` for each invariant other installed packages register."""
+    from importlib import metadata
+
+    try:
+        selected = metadata.entry_points(group=ENTRY_POINT_GROUP)  # type: ignore[call-arg]
+    except TypeError:  # Python 3.9: a dict of groups
+        selected = metadata.entry_points().get(ENTRY_POINT_GROUP, [])  # type: ignore[attr-defined]
+    out: list[tuple[str, Invariant]] = []
+    for ep in sorted(selected, key=lambda ep: ep.name):
+        dist = getattr(getattr(ep, "dist", None), "name", None)
+        source = f"entry point {ep.name!r}" + (f" of {dist}" if dist else "") + f" ({ep.value})"
+        try:
+            loaded = ep.load()
+        except Exception as exc:  # noqa: BLE001 - a broken plug-in is named, not an INTERNALERROR
+            raise UsageError(f"pytest-torchperf: cannot load {source}: {type(exc).__name__}: {exc}") from None
+        if isinstance(loaded, type(sys)):
+            loaded = getattr(loaded, "INVARIANT", loaded)
+        items: Iterable[Any] = loaded if isinstance(loaded, (list, tuple)) else [loaded]
+        out.extend((source, item) for item in items)
+    return out
+
+
+_REGISTRY = _Registry()
+
+
+def invariants() -> dict[str, Invariant]:
+    """Every registered invariant by name, built-in ones first (in report order)."""
+    return _REGISTRY.invariants()
+
+
+def get(name: str) -> Invariant:
+    return _REGISTRY.invariants()[name]
+
+
+def all_arguments() -> dict[str, tuple[Argument, Optional[Invariant]]]:
+    """Every marker argument: name -> (argument, the invariant it belongs to or None for ``scope``)."""
+    return _REGISTRY.arguments()
+
+
+def register(invariant: Invariant) -> None:
+    """Register ``invariant`` for this process (a ``conftest.py`` can; packages use the entry point)."""
+    _REGISTRY.register(invariant)
+
+
+def unregister(name: str) -> None:
+    """Forget an invariant added with :func:`register`."""
+    _REGISTRY.unregister(name)
+
+
+def make_checks(run: Any) -> dict[str, Any]:
+    """The checks of ``run``: one per invariant its options enable, in registry order.
+
+    Also fills ``run.probes_of`` (what each check depends on, for "not checked"
+    verdicts when a probe fails); every invariant depends on the Lightning observer.
+    """
+    checks: dict[str, Any] = {}
+    registered = invariants()
+    for name in run.options.enabled_checks:
+        invariant = registered[name]
+        check = invariant.check(run)
+        if not getattr(check, "name", None):
+            try:
+                check.name = name
+            except AttributeError:  # pragma: no cover - a check class with slots and no name
+                pass
+        checks[name] = check
+        run.probes_of[name] = ("lightning",) + probe_names(invariant)
+    return checks
+
+
+def probes_for(names: Iterable[str]) -> list[Any]:
+    """The probes the invariants ``names`` need, each once, every probe after the probes it needs."""
+    ordered: list[Any] = []
+    seen: set[str] = set()
+
+    def visit(ref: Union[str, Any]) -> None:
+        probe = _probe(ref)
+        if probe.name in seen:
+            return
+        for needed in probe.needs:
+            visit(needed)
+        seen.add(probe.name)
+        ordered.append(probe)
+
+    registered = invariants()
+    for name in names:
+        for ref in registered[name].probes:
+            visit(ref)
+    return ordered
+
+
+def probe_names(invariant: Invariant) -> tuple[str, ...]:
+    """The names of every probe ``invariant`` depends on, directly or through other probes."""
+    out: list[str] = []
+
+    def visit(ref: Union[str, Any]) -> None:
+        probe = _probe(ref)
+        for needed in probe.needs:
+            visit(needed)
+        if probe.name not in out:
+            out.append(probe.name)
+
+    for ref in invariant.probes:
+        visit(ref)
+    return tuple(out)
+
+
+def _probe(ref: Union[str, Any]) -> Any:
+    if isinstance(ref, str):
+        return importlib.import_module(f"pytest_torchperf.probes.{ref}").PROBE
+    return ref
+
+
+# -- documentation built from the declarations ------------------------------------------
+
+
+def markdown_table() -> str:
+    """The README's argument table: one row per argument, grouped under its invariant."""
+    rows = ["| argument | default | accepts | what it does |", "|---|---|---|---|"]
+    for name, (arg, owner) in all_arguments().items():
+        doc = arg.doc.replace("|", "\\|")
+        label = f"`{name}`" if owner is None or owner.name == name else f"`{name}` ({owner.name})"
+        rows.append(f"| {label} | `{arg.default!r}` | {arg.kind.describe()} | {doc} |")
+    return "\n".join(rows)
+
+
+def options_schema() -> dict[str, Any]:
+    """A JSON Schema (2020-12) of the marker's arguments, as the JSON report's ``options`` hold them."""
+    properties: dict[str, Any] = {}
+    for name, (arg, owner) in all_arguments().items():
+        prop = dict(arg.kind.schema())
+        prop["default"] = list(arg.default) if isinstance(arg.default, tuple) else arg.default
+        prop["description"] = arg.doc
+        if owner is not None and owner.name != name:
+            prop["x-invariant"] = owner.name
+        properties[name] = prop
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "pytest-torchperf marker arguments",
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": False,
+    }
