@@ -148,6 +148,8 @@ class SlotGuard:
             raise RuntimeError(f"{tp.__qualname__} is not a heap type")
         self.tp = tp
         self.names: list[str] = []
+        #: A ``__init_subclass__`` hook gives new subclasses their slots (see :meth:`adopt`).
+        self.adopting = False
         self._saved: dict[type, dict[int, list[Optional[int]]]] = {}
         for cls in [tp] + _subclasses(tp):
             if cls.__flags__ & _HEAPTYPE:
@@ -171,6 +173,16 @@ class SlotGuard:
                     continue
                 saved = self._saved[self.tp]
             _slot(cls, _AS_SEQUENCE, twin[0]).value = saved[_AS_SEQUENCE][twin[0]]
+
+    def adopt(self, cls: type) -> None:
+        """``cls`` was just created as a subclass while patched: the twin slots its base had."""
+        if not cls.__flags__ & _HEAPTYPE:
+            return
+        base = self._saved[self.tp]
+        for name in self.names:
+            twin = TWIN_NAMES.get(name)
+            if twin is not None and not _overrides(cls, self.tp, name):
+                _slot(cls, _AS_SEQUENCE, twin[0]).value = base[_AS_SEQUENCE][twin[0]]
 
     def restore(self) -> None:
         """After the attribute is put back: every slot table as it was before the first patch."""

@@ -313,8 +313,13 @@ class Run:
         _refresh_scope()
 
     # -- lifecycle (driven by ``watch``) ----------------------------------------------------
+    def enlist(self) -> None:
+        """Join the active runs, not watching yet: errors of probes being installed for it are recorded."""
+        if self not in _ACTIVE:
+            _ACTIVE.append(self)
+
     def start(self) -> None:
-        _ACTIVE.append(self)
+        self.enlist()
         self._active = True
         _refresh_flags()
 

@@ -71,6 +71,8 @@ class Patcher:
 
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
+        #: Undo actions that must not run in the middle of a probe's own call (see :meth:`callback`).
+        self._deferred: set[int] = set()
         self._import_hook: Optional[_PostImportHook] = None
         self._guards: dict[type, _slots.SlotGuard] = {}
         #: ``(owner, name, original or _MISSING, patched value)`` of every setattr, for lift()/relay().
@@ -88,6 +90,8 @@ class Patcher:
         if guard is not None:
             guard.patched(name)
         self._set.append((owner, name, own, value))
+        if guard is not None and name in _slots.TWIN_NAMES and not guard.adopting:
+            self._adopt_subclasses(owner, guard)
 
         def restore() -> None:
             if own is _MISSING:
@@ -124,14 +128,39 @@ class Patcher:
         self._undo.append(forget)
         return guard
 
+    def _adopt_subclasses(self, owner: type, guard: _slots.SlotGuard) -> None:
+        """Give a subclass of ``owner`` created while it is patched the slots it would have had."""
+        guard.adopting = True
+        own = vars(owner).get("__init_subclass__")
+
+        def __init_subclass__(cls: type, **kwargs: Any) -> None:
+            if isinstance(own, classmethod):
+                own.__get__(None, cls)(**kwargs)
+            else:
+                super(owner, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
+            try:
+                guard.adopt(cls)
+            except Exception:  # noqa: BLE001 - a class must always be creatable
+                pass
+
+        self.setattr(owner, "__init_subclass__", classmethod(__init_subclass__))
+
     def wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         """Replace ``owner.name`` by ``make(original)``."""
         original = getattr(owner, name)
         self.setattr(owner, name, make(original))
 
-    def callback(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on undo (for state that is not an attribute)."""
+    def callback(self, fn: Callable[[], None], *, deferred: bool = False) -> None:
+        """Run ``fn`` on undo (for state that is not an attribute).
+
+        ``deferred``: ``fn`` removes a hook from a registry torch may be iterating
+        right now, or resets state a call in flight still uses; an early
+        ``undo(keep_deferred=True)`` (a probe taken out mid-run) leaves it for the
+        final :meth:`undo`.
+        """
         self._undo.append(fn)
+        if deferred:
+            self._deferred.add(id(fn))
 
     def on_import(self, module_name: str, callback: Callable[[ModuleType], None]) -> None:
         """Call ``callback(module)`` now if ``module_name`` is imported, else right after its first import.
@@ -175,16 +204,27 @@ class Patcher:
             if guard is not None:
                 guard.patched(name)
 
-    def undo(self) -> list[BaseException]:
-        """Undo everything, newest first; returns the errors of actions that failed (the rest still ran)."""
+    def undo(self, keep_deferred: bool = False) -> list[BaseException]:
+        """Undo everything, newest first; returns the errors of actions that failed (the rest still ran).
+
+        ``keep_deferred``: put every attribute back now, but keep the deferred
+        callbacks for a later ``undo()``.
+        """
         errors: list[BaseException] = []
         self._set.clear()
+        kept: list[Callable[[], None]] = []
         while self._undo:
             action = self._undo.pop()
+            if keep_deferred and id(action) in self._deferred:
+                kept.append(action)
+                continue
             try:
                 action()
             except Exception as exc:  # keep undoing the rest, then report
                 errors.append(exc)
+        self._undo = kept[::-1]
+        if not keep_deferred:
+            self._deferred.clear()
         return errors
 
     def __len__(self) -> int:

@@ -297,8 +297,18 @@ def probe_names(invariant: Invariant) -> tuple[str, ...]:
 
 def _probe(ref: Union[str, Any]) -> Any:
     if isinstance(ref, str):
-        return importlib.import_module(f"pytest_torchperf.probes.{ref}").PROBE
+        return _probes.get(ref) or importlib.import_module(f"pytest_torchperf.probes.{ref}").PROBE
+    _probes.setdefault(ref.name, ref)
     return ref
+
+
+#: Probes by name: the built-in ones as they are first needed, third-party ones as invariants name them.
+_probes: dict[str, Any] = {}
+
+
+def probe(name: str) -> Any:
+    """The probe named ``name`` (built-in, or one a registered invariant brought)."""
+    return _probe(name)
 
 
 # -- documentation built from the declarations ------------------------------------------

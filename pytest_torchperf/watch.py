@@ -13,6 +13,7 @@ were active. Nothing here imports torch until a run starts.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from typing import Any, Iterator
 
@@ -31,6 +32,8 @@ _installed: dict[str, Patcher] = {}
 _needs: dict[str, tuple[str, ...]] = {}
 #: The patcher of the Lightning observer and of the torch caches kept out of the probes' way.
 _base: list[Patcher] = []
+#: Patchers of probes taken out mid-run: their deferred undo actions run when the last run stops.
+_removed: list[Patcher] = []
 
 
 def start(run: Run) -> None:
@@ -47,10 +50,11 @@ def start(run: Run) -> None:
             _base.clear()
             base.undo()
             raise
-    names = run.options.enabled_checks
-    for probe in registry.probes_for(names):
-        if probe.name in _installed:
-            continue
+    run.enlist()  # a probe failing while it is installed is recorded on this run
+    missing = [probe for probe in registry.probes_for(run.options.enabled_checks) if probe.name not in _installed]
+    if missing and not _installed:
+        _fill_caches(import_torch=True)  # before the first probe replaces anything
+    for probe in missing:
         patcher = Patcher()
         try:
             probe.install(patcher)
@@ -71,6 +75,8 @@ def stop(run: Run) -> None:
     errors: list[BaseException] = []
     for name in reversed(list(_installed)):
         errors.extend(_installed.pop(name).undo())
+    while _removed:
+        errors.extend(_removed.pop().undo())
     _needs.clear()
     if _base:
         errors.extend(_base.pop().undo())
@@ -90,7 +96,12 @@ def _remove_probe(name: str) -> None:
                 changed = True
     for other in reversed(list(_installed)):
         if other in doomed:
-            _installed.pop(other).undo()
+            # Attributes go back now; hooks torch may be iterating at this very moment stay
+            # registered, disabled, until the last run stops.
+            registry.probe(other).disabled = True
+            patcher = _installed.pop(other)
+            patcher.undo(keep_deferred=True)
+            _removed.append(patcher)
             _needs.pop(other, None)
     for run in core.active_runs():
         for other in doomed - {name}:
@@ -111,13 +122,16 @@ def _keep_torch_caches(patcher: Patcher) -> None:
     dynamo, first imported later, right after its import, with every probe's
     patches lifted for that moment.
     """
-    _fill_caches()
     patcher.on_import("torch._dynamo.trace_rules", lambda module: _lifted(_fill_caches))
 
 
-def _fill_caches() -> None:
+def _fill_caches(import_torch: bool = False) -> None:
+    """Build the tables of :data:`_TORCH_CACHES` (torch's own modules imported when ``import_torch``)."""
     for module_name, names in _TORCH_CACHES:
         module = sys.modules.get(module_name)
+        if module is None and import_torch and not module_name.startswith("torch._dynamo"):
+            with contextlib.suppress(ImportError):
+                module = importlib.import_module(module_name)
         for name in names:
             fn = getattr(module, name, None)
             if callable(fn):

@@ -45,6 +45,8 @@ class Probe:
     def __init__(self) -> None:
         #: What this probe could not attach to in this process (feature -> why); reset with the probe.
         self.unavailable: dict[str, str] = {}
+        #: Taken out after a failure: its hooks still registered until the run ends do nothing.
+        self.disabled = False
 
     def install(self, patcher: "Patcher") -> None:  # pragma: no cover - abstract
         """Patch what the probe watches through ``patcher`` (undone by ``patcher.undo()``)."""
@@ -53,6 +55,7 @@ class Probe:
     def reset(self) -> None:
         """Forget everything seen: called before :meth:`install` and when the probe is removed."""
         self.unavailable = {}
+        self.disabled = False
 
     def failed(self, exc: BaseException) -> None:
         """This probe's own code raised: record it and take the probe out (never raises)."""

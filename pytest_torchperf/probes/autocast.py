@@ -28,7 +28,7 @@ class AutocastProbe(Probe):
         import torch.amp.autocast_mode as autocast_mode
 
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         flags = FLAGS
         is_compiling = is_compiling_function()
         probe = self
@@ -38,9 +38,7 @@ class AutocastProbe(Probe):
             def __enter__(self: Any) -> Any:
                 if not is_compiling() and flags.active:
                     try:
-                        if getattr(self, "_enabled", False):
-                            device = str(getattr(self, "device", ""))
-                            core.notify("on_autocast", device, getattr(self, "fast_dtype", None))
+                        probe.entered(self)
                     except Exception as exc:  # noqa: BLE001 - never into the user's code
                         probe.failed(exc)
                 return original(self)
@@ -48,6 +46,10 @@ class AutocastProbe(Probe):
             return __enter__
 
         patcher.wrap(autocast_mode.autocast, "__enter__", wrap_enter)
+
+    def entered(self, region: Any) -> None:
+        if getattr(region, "_enabled", False):
+            core.notify("on_autocast", str(getattr(region, "device", "")), getattr(region, "fast_dtype", None))
 
 
 PROBE = AutocastProbe()

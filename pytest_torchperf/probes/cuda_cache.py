@@ -30,7 +30,7 @@ class CudaCacheProbe(Probe):
         import torch.cuda.memory
 
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         flags = FLAGS
         probe = self
         original = torch.cuda.memory.empty_cache
@@ -40,8 +40,7 @@ class CudaCacheProbe(Probe):
             __tracebackhide__ = True
             if flags.active:
                 try:
-                    if core.handlers("on_empty_cache"):
-                        core.notify("on_empty_cache", capture(2))
+                    probe.called()
                 except Exception as exc:  # noqa: BLE001 - never into the user's code
                     probe.failed(exc)
             return original(*args, **kwargs)
@@ -50,6 +49,10 @@ class CudaCacheProbe(Probe):
         patcher.setattr(torch.cuda.memory, "empty_cache", wrapper)
         if torch.cuda.empty_cache is original:
             patcher.setattr(torch.cuda, "empty_cache", wrapper)
+
+    def called(self) -> None:
+        if core.handlers("on_empty_cache"):
+            core.notify("on_empty_cache", capture(3))
 
 
 PROBE = CudaCacheProbe()

@@ -8,11 +8,13 @@ the checks of the active runs, the stack captured lazily, once).
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
+from ..frames import stack_of
 from ..stacks import Stack, capture
 from . import Probe
 from .loaders import until_user_frame
@@ -38,7 +40,7 @@ class DataParallelProbe(Probe):
         import torch
 
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         flags = FLAGS
         probe = self
         dp = torch.nn.DataParallel
@@ -61,20 +63,27 @@ class DataParallelProbe(Probe):
             def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 if flags.active:
-                    stack: list[Stack] = []
-
-                    def lazy() -> Stack:
-                        if not stack:
-                            stack.append(capture(4))
-                        return stack[0]
-
-                    core.notify("on_data_parallel_forward", self, lazy)
+                    try:
+                        probe.forwarded(self, sys._getframe(1))
+                    except Exception as exc:  # noqa: BLE001 - never into the user's code
+                        probe.failed(exc)
                 return original(self, *args, **kwargs)
 
             return forward
 
         patcher.wrap(dp, "__init__", wrap_init)
         patcher.wrap(dp, "forward", wrap_forward)
+
+    def forwarded(self, module: Any, frame: Any) -> None:
+        """A forward pass of ``module``, called from ``frame``: its stack is captured when a check asks."""
+        stack: list[Stack] = []
+
+        def lazy() -> Stack:
+            if not stack:
+                stack.append(stack_of(frame))
+            return stack[0]
+
+        core.notify("on_data_parallel_forward", module, lazy)
 
 
 PROBE = DataParallelProbe()

@@ -72,7 +72,7 @@ class GradsProbe(Probe):
         import torch
 
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         flags = FLAGS
         is_compiling = is_compiling_function()
         probe = self
@@ -125,7 +125,7 @@ class GradsProbe(Probe):
             def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:  # a step post-hook
                 """Remember the optimizer and invalidate the gradient index (only while a run checks this)."""
                 try:
-                    if flags.active and core.handlers("on_grad_zeroed"):
+                    if flags.active and not probe.disabled and core.handlers("on_grad_zeroed"):
                         probe.generation += 1
                         if optimizer not in probe.optimizers_seen:
                             probe.optimizers_seen.add(optimizer)
@@ -133,7 +133,7 @@ class GradsProbe(Probe):
                     probe.failed(exc)
 
             handle = register(stepped)
-            patcher.callback(handle.remove)
+            patcher.callback(handle.remove, deferred=True)
         else:  # pragma: no cover - torch < 2.0
             self.unavailable["grad_index"] = "this torch has no global optimizer step hook"
 

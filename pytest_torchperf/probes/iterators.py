@@ -55,7 +55,7 @@ class IteratorsProbe(Probe):
         from torch.utils.data import dataloader as dl
 
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         probe = self
         loader_cls = dl.DataLoader
         pool_cls = dl._MultiProcessingDataLoaderIter

@@ -226,7 +226,7 @@ class LoadersProbe(Probe):
         from torch.utils.data import dataloader as dl
 
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         flags = FLAGS
         probe = self
 

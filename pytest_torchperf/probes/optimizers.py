@@ -78,7 +78,7 @@ class OptimizersProbe(Probe):
     def install(self, patcher: "Patcher") -> None:
         """Register the step post-hook; removed by ``patcher``."""
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         try:
             module = importlib.import_module("torch.optim.optimizer")
         except ImportError:  # pragma: no cover
@@ -88,13 +88,20 @@ class OptimizersProbe(Probe):
             self.unavailable["optimizer_steps"] = "this torch has no global optimizer step hook"
             return
         flags = FLAGS
+        probe = self
 
         def on_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if flags.active:
-                core.notify("on_optimizer_step", optimizer)
+            if flags.active and not probe.disabled:
+                try:
+                    probe.stepped(optimizer)
+                except Exception as exc:  # noqa: BLE001 - never into the user's optimizer step
+                    probe.failed(exc)
 
         handle = register(on_step)
-        patcher.callback(handle.remove)
+        patcher.callback(handle.remove, deferred=True)
+
+    def stepped(self, optimizer: Any) -> None:
+        core.notify("on_optimizer_step", optimizer)
 
 
 PROBE = OptimizersProbe()

@@ -47,7 +47,7 @@ class RecompilesProbe(Probe):
     def install(self, patcher: "Patcher") -> None:
         """Attach to dynamo now if it is imported, else as soon as it is; undone by ``patcher``."""
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         patcher.on_import(_CONVERT_FRAME, guard(self, lambda module: self._attach(patcher, module)))
 
     def _attach(self, patcher: "Patcher", convert_frame: Any) -> None:
@@ -105,7 +105,7 @@ class RecompilesProbe(Probe):
 
             def on_start(args: Any) -> None:
                 trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
-                if flags.active and trigger == "DYNAMO":
+                if flags.active and not probe.disabled and trigger == "DYNAMO":
                     core.notify("on_compile")
 
             handler.register_start_callback(on_start)
@@ -116,7 +116,7 @@ class RecompilesProbe(Probe):
                 except ValueError:  # already cleared by someone else
                     pass
 
-            patcher.callback(remove)
+            patcher.callback(remove, deferred=True)
 
 
 PROBE = RecompilesProbe()

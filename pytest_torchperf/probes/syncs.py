@@ -184,7 +184,7 @@ class SyncsProbe(Probe):
         import torch.nn.functional as F
 
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         tensor_type = torch.Tensor
         flags = FLAGS
         is_compiling = TENSORS.compiling
@@ -440,7 +440,7 @@ class SyncsProbe(Probe):
 
         def on_scope(in_scope: bool) -> None:
             try:
-                if in_scope:
+                if in_scope and not probe.disabled:
                     if cuda.is_initialized() and not previous:
                         previous.append(cuda.get_sync_debug_mode())
                         cuda.set_sync_debug_mode("warn")
@@ -454,7 +454,7 @@ class SyncsProbe(Probe):
                 cuda.set_sync_debug_mode(previous.pop())
 
         FLAGS.listeners.append(on_scope)
-        patcher.callback(lambda: FLAGS.listeners.remove(on_scope) if on_scope in FLAGS.listeners else None)
+        patcher.callback(lambda: FLAGS.listeners.remove(on_scope) if on_scope in FLAGS.listeners else None, deferred=True)
         patcher.callback(restore)
 
         # The warning is issued at the Python line that made the CUDA call: take it from

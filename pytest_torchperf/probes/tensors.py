@@ -356,7 +356,7 @@ class TensorsProbe(Probe):
         import torch
 
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         self.tensor_type = tensor_type = torch.Tensor
         self.device_type = torch.device
         self.compiling = is_compiling = is_compiling_function()
@@ -563,7 +563,7 @@ class TensorsProbe(Probe):
         probe = self
 
         def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if not flags.in_scope:
+            if not flags.in_scope or probe.disabled:
                 return
             try:
                 state = optimizer.state
@@ -583,8 +583,8 @@ class TensorsProbe(Probe):
                 probe.failed(exc)
 
         handle = register(optimizer_pre_hook)
-        patcher.callback(handle.remove)
-        patcher.callback(scanned.clear)
+        patcher.callback(handle.remove, deferred=True)
+        patcher.callback(scanned.clear, deferred=True)
 
 
 class _SubclassDispatch:
