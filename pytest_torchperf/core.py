@@ -210,6 +210,8 @@ class Run:
         self._batch_depth = 0
         self._active = False
         self._handlers: dict[str, tuple[Callable[..., Any], ...]] = {}
+        #: Whether some check listens to step starts / ends (read by every step: set when the run starts).
+        self._step_events = (False, False)
         #: What ``step()`` returns: stateless, so one serves every step (and nested steps).
         self._step_block = _Step(self)
 
@@ -290,16 +292,14 @@ class Run:
             self.steps += 1
         self._step_depth += 1
         _refresh_scope()
-        if self._step_depth == 1:
-            starts = self.handlers("on_step_start")
-            if starts:
-                self.notify("on_step_start")
+        if self._step_depth == 1 and self._step_events[0]:
+            self.notify("on_step_start")
 
     def step_ended(self) -> None:
         depth = self._step_depth - 1
         self._step_depth = depth if depth > 0 else 0
         _refresh_scope()
-        if depth == 0 and self.handlers("on_step_end"):
+        if depth == 0 and self._step_events[1]:
             self.notify("on_step_end")
 
     def batch_started(self) -> None:
@@ -320,6 +320,8 @@ class Run:
 
     def start(self) -> None:
         self.enlist()
+        self._handlers.clear()
+        self._step_events = (bool(self.handlers("on_step_start")), bool(self.handlers("on_step_end")))
         self._active = True
         _refresh_flags()
 
@@ -381,7 +383,7 @@ class _Step:
         run._batch_depth = 1
         if not FLAGS.in_scope:  # a step puts its run in scope, whatever the scope option
             _set_in_scope(True)
-        if run._step_depth == 1 and run.handlers("on_step_start"):
+        if run._step_events[0] and run._step_depth == 1:
             run.notify("on_step_start")
         return run
 
@@ -391,5 +393,5 @@ class _Step:
         depth = run._step_depth - 1
         run._step_depth = depth if depth > 0 else 0
         _refresh_scope()
-        if depth <= 0 and run.handlers("on_step_end"):
+        if run._step_events[1] and depth == 0:
             run.notify("on_step_end")

@@ -164,9 +164,13 @@ class _XdistController:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    try:
+        signature = describe_options()  # loads the invariants, other packages' too: a broken one is named here
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
     config.addinivalue_line(
         "markers",
-        f"{MARKER}({describe_options()}): watch the test body and fail the test when a "
+        f"{MARKER}({signature}): watch the test body and fail the test when a "
         "PyTorch/Lightning performance invariant breaks (see the pytest-torchperf README).",
     )
     settings = config.stash[_SETTINGS] = resolve_settings(config)

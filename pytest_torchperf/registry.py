@@ -56,7 +56,8 @@ SCOPE = Argument(
     "scope",
     Choice(SCOPES),
     "training_step",
-    "where step checks apply: 'training_step', 'batch' (batch start to batch end) or 'test'",
+    "where the step checks apply: 'training_step', 'batch' (from batch start to batch end: step, backward, "
+    "optimizer, callbacks) or 'test' (the whole body)",
 )
 
 #: The built-in invariants, in the order reports list them (module names in ``pytest_torchperf.invariants``).
@@ -154,9 +155,9 @@ class _Registry:
         return self._arguments
 
     def register(self, invariant: Invariant) -> None:
+        _validate(invariant, "register()")
         if invariant.name in self.invariants():
             raise UsageError(f"pytest-torchperf: an invariant named {invariant.name!r} is already registered")
-        _validate(invariant, "register()")
         self._extra[invariant.name] = invariant
         self._arguments = None
 
@@ -315,13 +316,21 @@ def probe(name: str) -> Any:
 
 
 def markdown_table() -> str:
-    """The README's argument table: one row per argument, grouped under its invariant."""
-    rows = ["| argument | default | accepts | what it does |", "|---|---|---|---|"]
+    """The README's argument tables (invariants, then settings), built from the declarations."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    rows = ["| invariant | default | accepts | checks that |", "|---|---|---|---|"]
+    settings = ["| setting | tunes | default | accepts | meaning |", "|---|---|---|---|---|"]
     for name, (arg, owner) in all_arguments().items():
-        doc = arg.doc.replace("|", "\\|")
-        label = f"`{name}`" if owner is None or owner.name == name else f"`{name}` ({owner.name})"
-        rows.append(f"| {label} | `{arg.default!r}` | {arg.kind.describe()} | {doc} |")
-    return "\n".join(rows)
+        default = f"`{arg.default!r}`"
+        if owner is not None and owner.name == name:
+            rows.append(f"| `{name}` | {default} | {cell(arg.kind.describe())} | {cell(arg.doc)} |")
+        else:
+            tunes = f"`{owner.name}`" if owner is not None else "the step checks"
+            settings.append(f"| `{name}` | {tunes} | {default} | {cell(arg.kind.describe())} | {cell(arg.doc)} |")
+    return "\n".join(rows) + "\n\n" + "\n".join(settings)
 
 
 def options_schema() -> dict[str, Any]:

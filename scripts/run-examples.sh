@@ -23,4 +23,11 @@ for suite in examples/*/; do
   compgen -G "${suite}test_*.py" >/dev/null || continue
   run --expect by-name "$suite"
 done
+echo; echo "=== A third-party invariant: examples/custom_invariant, installed as a package of its own"
+acme=$(mktemp -d)
+trap 'rm -rf "$acme"' EXIT
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --target "$acme" \
+  examples/custom_invariant
+export PYTHONPATH="$acme${PYTHONPATH:+:$PYTHONPATH}"
+run --expect by-name examples/custom_invariant/tests
 exit "$status"

@@ -27,7 +27,7 @@ INVARIANT = Invariant(
             "overhead_rounds",
             Integer(minimum=OVERHEAD_MIN_ROUNDS, maximum=OVERHEAD_MAX_ROUNDS, optional=False),
             OVERHEAD_ROUNDS,
-            "max_overhead times at most this many rounds (one fit epoch and one vanilla epoch each, "
+            "time at most this many rounds (one fit epoch and one vanilla epoch each, "
             f"after a warm-up); it stops after {OVERHEAD_MIN_ROUNDS} once the 95% interval is clear of the threshold",
             meaning="timed rounds of max_overhead",
         ),

@@ -251,20 +251,20 @@ INVARIANT = Invariant(
             "allowed_syncs",
             SiteList(),
             (),
-            "no_host_sync accepts syncs at these sites ('file.py:LINE', 'file.py') or in these "
+            "accept syncs at these sites ('file.py:LINE', 'file.py') or in these "
             "functions ('log_images', 'MyModule.on_train_batch_end')",
         ),
         Argument(
             "fail_on_framework_syncs",
             Flag(),
             False,
-            "no_host_sync also fails on syncs made by Lightning, torchmetrics or other libraries",
+            "also fail on syncs made by Lightning, torchmetrics or other libraries",
         ),
         Argument(
             "max_syncs_per_step",
             Integer(minimum=0),
             None,
-            "no_host_sync passes while no training step makes more than N syncs in your code "
+            "pass while no training step makes more than N syncs in your code "
             "(for code that syncs on purpose; syncs outside steps always count)",
             meaning="the most syncs in your code any training step may make",
         ),

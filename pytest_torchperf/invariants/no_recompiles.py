@@ -272,7 +272,7 @@ INVARIANT = Invariant(
             "recompile_warmup_steps",
             Integer(minimum=0),
             None,
-            "no_recompiles counts recompiles during the first N training steps as warm-up "
+            "count recompiles during the first N training steps as warm-up "
             "(default: the first epoch)",
             meaning="training steps whose recompiles count as warm-up",
         ),

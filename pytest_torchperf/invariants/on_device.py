@@ -300,14 +300,14 @@ INVARIANT = Invariant(
             "allowed_copies",
             SiteList(),
             (),
-            "on_device accepts host-built tensors created or moved at these sites or in these "
+            "accept host-built tensors created or moved at these sites or in these "
             "functions (same forms as allowed_syncs)",
         ),
         Argument(
             "max_copies_per_step",
             Integer(minimum=0),
             None,
-            "on_device passes while no training step makes more than N copies of host-built tensors",
+            "pass while no training step makes more than N copies of host-built tensors",
             meaning="the most copies of host-built tensors any training step may make",
         ),
     ),

@@ -1,0 +1,1 @@
+"""ACME's performance invariants for pytest-torchperf."""

@@ -1,0 +1,163 @@
+"""Each invariant is declared once: the registry drives validation, the marker, the README and the schema."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pytest_torchperf import (
+    PASSED,
+    Argument,
+    Check,
+    CheckResult,
+    Flag,
+    Integer,
+    Invariant,
+    Options,
+    UsageError,
+    parse_options,
+    register,
+    registry,
+    unregister,
+    watch,
+)
+from pytest_torchperf.options import describe_options
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_argument_tables_are_the_registry_s() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "readme_tables.py"), "--check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+    readme = (ROOT / "README.md").read_text()
+    for name, (arg, _) in registry.all_arguments().items():
+        assert f"| `{name}` |" in readme
+        assert arg.doc.replace("|", "\\|") in readme
+
+
+def test_every_built_in_invariant_is_one_module_with_its_declaration() -> None:
+    found = registry.invariants()
+    assert list(found)[: len(registry.BUILTIN)] == list(registry.BUILTIN)
+    for name in registry.BUILTIN:
+        module = sys.modules[f"pytest_torchperf.invariants.{name}"]
+        assert module.INVARIANT is found[name] and found[name].name == name
+
+
+def test_the_options_schema_covers_every_argument_and_accepts_the_defaults() -> None:
+    schema = registry.options_schema()
+    assert schema["additionalProperties"] is False
+    assert list(schema["properties"]) == list(registry.all_arguments())
+    assert schema["properties"]["max_syncs_per_step"] == {
+        "type": ["integer", "null"], "minimum": 0, "default": None,
+        "description": registry.all_arguments()["max_syncs_per_step"][0].doc, "x-invariant": "no_host_sync",
+    }
+    assert schema["properties"]["scope"]["enum"] == ["training_step", "batch", "test"]
+    defaults = {name: prop["default"] for name, prop in schema["properties"].items()}
+    assert parse_options(defaults) == Options()
+
+
+def test_options_are_immutable_and_name_a_misspelt_attribute() -> None:
+    options = parse_options({"max_overhead": 1})
+    with pytest.raises(AttributeError, match="immutable"):
+        options.max_overhead = 2.0  # type: ignore[misc]
+    with pytest.raises(AttributeError, match=r"no argument 'max_overheads' \(did you mean 'max_overhead'\?\)"):
+        options.max_overheads  # noqa: B018
+    assert options.replace(max_overhead=None) == Options()
+    assert options.to_dict()["max_overhead"] == 1.0
+    assert "max_overhead=1.0" in repr(options)
+
+
+class CountSteps(Check):
+    def __init__(self, run) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(run)
+        self.ends = 0
+
+    def on_step_end(self) -> None:
+        self.ends += 1
+
+    def result(self) -> CheckResult:
+        steps = self.run.options.at_least_steps
+        status = PASSED if self.ends >= steps else "failed"
+        return CheckResult("at_least_steps_ran", status, f"{self.ends} steps ended", 0, [], {"ends": self.ends})
+
+
+SPEC = Invariant(
+    name="at_least_steps_ran",
+    doc="the run ends at least N training steps",
+    check=CountSteps,
+    kind=Flag(),
+    default=False,
+    arguments=(Argument("at_least_steps", Integer(minimum=1, optional=False), 1, "how many steps must end"),),
+)
+
+
+@pytest.fixture
+def registered() -> Invariant:
+    register(SPEC)
+    try:
+        yield SPEC
+    finally:
+        unregister(SPEC.name)
+
+
+def test_a_registered_invariant_is_validated_checked_and_listed(registered: Invariant) -> None:
+    assert "at_least_steps_ran=False" in describe_options() and "at_least_steps=1" in describe_options()
+    with pytest.raises(UsageError, match=r"unknown argument 'at_least_step' \(did you mean 'at_least_steps'\?\)"):
+        parse_options({"at_least_step": 2})
+    with pytest.raises(UsageError, match=r"at_least_steps must be an integer >= 1, got 0 \(int\)"):
+        parse_options({"at_least_steps": 0})
+    with watch(at_least_steps_ran=True, at_least_steps=2, no_host_sync=False) as run:
+        for _ in range(3):
+            with run.step():
+                pass
+    result = run.report["at_least_steps_ran"]  # type: ignore[index]
+    assert (result.status, result.summary, result.figures) == (PASSED, "3 steps ended", {"ends": 3})
+
+
+def test_registering_a_taken_name_or_a_reserved_one_is_refused(registered: Invariant) -> None:
+    with pytest.raises(UsageError, match="'at_least_steps_ran' is already registered"):
+        register(SPEC)
+    with pytest.raises(UsageError, match="'no_host_sync' is already registered"):
+        register(Invariant(name="no_host_sync", doc="", check=CountSteps))
+    with pytest.raises(UsageError, match="'to_dict' cannot be an argument name"):
+        register(Invariant(name="to_dict", doc="", check=CountSteps))
+    with pytest.raises(UsageError, match="not a pytest_torchperf.Invariant"):
+        register("no_such_thing")  # type: ignore[arg-type]
+
+
+def test_a_broken_third_party_entry_point_is_a_usage_error_naming_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dist = pytester.path / "site" / "broken_invariants-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-invariants\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[pytest_torchperf.invariants]\nbroken = no_such_module_anywhere:INVARIANT\n"
+    )
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path / "site"))
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([
+        "*pytest-torchperf: cannot load entry point 'broken' of broken-invariants "
+        "(no_such_module_anywhere:INVARIANT): ModuleNotFoundError*"
+    ])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+def test_importing_the_registry_and_parsing_options_never_imports_torch() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from pytest_torchperf import registry, options
+        registry.invariants()
+        options.parse_options({"max_overhead": 0.1, "allowed_syncs": ["a.py:3"]})
+        print("torch" in sys.modules)
+        """
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
