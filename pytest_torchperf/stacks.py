@@ -16,7 +16,7 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-__all__ = ["Frame", "Stack", "capture", "site_of", "format_stack", "display_path"]
+__all__ = ["Frame", "Stack", "capture", "site_of", "format_stack", "display_path", "until_user_frame"]
 
 # Frame kinds, from "never interesting" to "the user's own line".
 TORCHPERF = "torchperf"
@@ -259,3 +259,15 @@ def format_stack(
         if src:
             lines.append(f"{indent}      {src}")
     return lines
+
+
+def until_user_frame(stack: Stack) -> Stack:
+    """``stack`` cut after its innermost user frame, so the user's line is the site.
+
+    A loader built in ``train_dataloader()`` goes through Lightning's own
+    ``__init__`` wrapper; the line worth showing is the user's ``DataLoader(...)``.
+    """
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i].is_user:
+            return stack[: i + 1]
+    return stack

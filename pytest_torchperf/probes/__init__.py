@@ -104,6 +104,29 @@ def accelerator_available() -> bool:
         return False
 
 
+def record_creation(probe: Probe, created: Any, wanted: Callable[[], bool]) -> Callable[[Any], Any]:
+    """A ``wrap`` maker for a class's ``__init__``: while ``wanted()``, ``created[instance]`` becomes the
+    stack that built it, cut at the user's innermost frame (the line worth showing)."""
+    import functools
+
+    from ..stacks import capture, until_user_frame
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)  # keeps the signature (Lightning inspects DataLoader's to re-instantiate it)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            __tracebackhide__ = True
+            original(self, *args, **kwargs)
+            if wanted():
+                try:
+                    created[self] = until_user_frame(capture(2))
+                except Exception as exc:  # noqa: BLE001 - never into the user's code
+                    probe.failed(exc)
+
+        return __init__
+
+    return wrap
+
+
 def guard(probe: Probe, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` for a cold path (per epoch, per Trainer call): its errors go to ``probe.failed``, never up."""
 

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from .. import core
 from ..core import FLAGS
 from ..frames import stack_of
-from ..stacks import Stack, capture
-from . import Probe
-from .loaders import until_user_frame
+from ..stacks import Stack
+from . import Probe, record_creation
 
 if TYPE_CHECKING:
     from ..patching import Patcher
@@ -45,19 +44,6 @@ class DataParallelProbe(Probe):
         probe = self
         dp = torch.nn.DataParallel
 
-        def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
-            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-                __tracebackhide__ = True
-                original(self, *args, **kwargs)
-                if flags.active:
-                    try:
-                        probe.created[self] = until_user_frame(capture(2))
-                    except Exception as exc:  # noqa: BLE001 - never into the user's code
-                        probe.failed(exc)
-
-            return __init__
-
         def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(original)
             def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -71,7 +57,7 @@ class DataParallelProbe(Probe):
 
             return forward
 
-        patcher.wrap(dp, "__init__", wrap_init)
+        patcher.wrap(dp, "__init__", record_creation(self, self.created, lambda: flags.active))
         patcher.wrap(dp, "forward", wrap_forward)
 
     def forwarded(self, module: Any, frame: Any) -> None:

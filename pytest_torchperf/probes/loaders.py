@@ -31,28 +31,16 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from .. import core, lightning
 from ..core import FLAGS
 from ..stacks import Stack, capture
-from . import Probe
+from . import Probe, record_creation
 
 if TYPE_CHECKING:
     from ..core import Run
     from ..patching import Patcher
 
-__all__ = ["LoaderRecord", "LoaderLog", "LoadersProbe", "PROBE", "until_user_frame"]
+__all__ = ["LoaderRecord", "LoaderLog", "LoadersProbe", "PROBE"]
 
 #: Pass labels kept per loader (the rest are counted).
 _MAX_LABELS = 8
-
-
-def until_user_frame(stack: Stack) -> Stack:
-    """``stack`` cut after its innermost user frame, so the user's line is the site.
-
-    A loader built in ``train_dataloader()`` goes through Lightning's own
-    ``__init__`` wrapper; the line worth showing is the user's ``DataLoader(...)``.
-    """
-    for i in range(len(stack) - 1, -1, -1):
-        if stack[i].is_user:
-            return stack[: i + 1]
-    return stack
 
 
 class LoaderRecord:
@@ -230,19 +218,6 @@ class LoadersProbe(Probe):
         flags = FLAGS
         probe = self
 
-        def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)  # keeps the signature Lightning inspects to re-instantiate loaders
-            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-                __tracebackhide__ = True
-                original(self, *args, **kwargs)
-                if flags.active and probe.logs:
-                    try:
-                        probe.created[self] = until_user_frame(capture(2))
-                    except Exception as exc:  # noqa: BLE001 - never into the user's code
-                        probe.failed(exc)
-
-            return __init__
-
         def wrap_iter(original: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(original)
             def __iter__(self: Any) -> Any:
@@ -285,7 +260,7 @@ class LoadersProbe(Probe):
 
             return __next__
 
-        patcher.wrap(dl.DataLoader, "__init__", wrap_init)
+        patcher.wrap(dl.DataLoader, "__init__", record_creation(self, self.created, lambda: flags.active and bool(probe.logs)))
         patcher.wrap(dl.DataLoader, "__iter__", wrap_iter)
         patcher.wrap(dl._BaseDataLoaderIter, "__init__", wrap_iterator_init)
         patcher.wrap(dl._BaseDataLoaderIter, "__next__", wrap_next)
