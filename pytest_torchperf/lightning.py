@@ -48,10 +48,6 @@ _TRAINER_CALLS = ("fit", "validate", "test", "predict")
 _CALLBACK_DISPATCHERS = ("_call_callback_hooks", "call_hook")
 _MODULE_DISPATCHERS = ("_call_lightning_module_hook", "call_hook")
 
-#: Trainers inside an observed call, innermost last.
-_trainers: list[Any] = []
-
-
 @dataclass
 class TrainerCall:
     """One observed ``Trainer.<kind>(*args, **kwargs)`` call, for checks that need its arguments."""
@@ -63,28 +59,37 @@ class TrainerCall:
     kwargs: dict = field(default_factory=dict)
 
 
-#: Observed calls in flight, innermost last.
-_calls: list[TrainerCall] = []
-#: Trainer -> the (args, kwargs) of its ``__init__``, for Trainers built while a run was watching.
-_init_args: "weakref.WeakKeyDictionary[Any, tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
-#: > 0 while torchperf runs Lightning itself (timing replays): calls then pass through unobserved.
-_unobserved = [0]
+class _Observer:
+    """What the Lightning observer holds (one object for the process)."""
+
+    def __init__(self) -> None:
+        #: Trainers inside an observed call, innermost last.
+        self.trainers: list[Any] = []
+        #: Observed calls in flight, innermost last.
+        self.calls: list[TrainerCall] = []
+        #: Trainer -> the (args, kwargs) of its ``__init__``, for Trainers built while a run was watching.
+        self.init_args: "weakref.WeakKeyDictionary[Any, tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
+        #: > 0 while torchperf runs Lightning itself (timing replays): calls then pass through unobserved.
+        self.unobserved = 0
+
+
+OBSERVER = _Observer()
 
 
 def current_trainer() -> Optional[Any]:
     """The Trainer whose observed call is running now, if any."""
-    return _trainers[-1] if _trainers else None
+    return OBSERVER.trainers[-1] if OBSERVER.trainers else None
 
 
 def current_call() -> Optional[TrainerCall]:
     """The observed Trainer call running now (checks read its arguments in ``on_trainer_call``)."""
-    return _calls[-1] if _calls else None
+    return OBSERVER.calls[-1] if OBSERVER.calls else None
 
 
 def trainer_init_args(trainer: Any) -> Optional[tuple[tuple, dict]]:
     """``(args, kwargs)`` the Trainer was built with, if it was built while a run was watching."""
     try:
-        return _init_args.get(trainer)
+        return OBSERVER.init_args.get(trainer)
     except TypeError:
         return None
 
@@ -92,11 +97,11 @@ def trainer_init_args(trainer: Any) -> Optional[tuple[tuple, dict]]:
 @contextlib.contextmanager
 def unobserved() -> Iterator[None]:
     """Trainers built and called inside are not observed by any run (torchperf's own fits)."""
-    _unobserved[0] += 1
+    OBSERVER.unobserved += 1
     try:
         yield
     finally:
-        _unobserved[0] -= 1
+        OBSERVER.unobserved -= 1
 
 
 def stage_label() -> Optional[tuple[str, bool]]:
@@ -204,15 +209,16 @@ def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) ->
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # a user's exception shows the user's frames, not ours
         runs = list(core.active_runs())
-        if not runs or _unobserved[0] or any(t is self for t in _trainers):
+        observer = OBSERVER
+        if not runs or observer.unobserved or any(t is self for t in observer.trainers):
             return original(self, *args, **kwargs)
         local = Patcher()
         model = args[0] if args else kwargs.get("model")
         try:
-            _trainers.append(self)
-            local.callback(_trainers.pop)
-            _calls.append(TrainerCall(kind, self, package, args, dict(kwargs)))
-            local.callback(_calls.pop)
+            observer.trainers.append(self)
+            local.callback(observer.trainers.pop)
+            observer.calls.append(TrainerCall(kind, self, package, args, dict(kwargs)))
+            local.callback(observer.calls.pop)
             for run in runs:
                 run.notify("on_trainer_call", kind, self, model)
             if kind == "fit" and model is not None:
@@ -235,11 +241,11 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         __tracebackhide__ = True
-        if core.active_runs() and not _unobserved[0]:
+        if core.active_runs() and not OBSERVER.unobserved:
             # Lists copied: pytorch-lightning 1.x appends its own callbacks to the list it was given.
             try:
                 recorded = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
-                _init_args[self] = (tuple(list(a) if isinstance(a, list) else a for a in args), recorded)
+                OBSERVER.init_args[self] = (tuple(list(a) if isinstance(a, list) else a for a in args), recorded)
             except Exception:  # noqa: BLE001 - an unhashable Trainer subclass: no replay for it
                 pass
         original(self, *args, **kwargs)

@@ -28,6 +28,7 @@ import pytest
 from . import results, stacks
 from .arguments import UsageError, suggest
 from .options import OVERHEAD_ROUNDS, SCOPES, Options, describe_options, parse_options
+from .text import plural
 from .report import FAILED, NOT_CHECKED, InvariantViolation, Report
 from .timing import ParityResult, parity
 from .core import Run
@@ -352,7 +353,7 @@ class _Recorder:
                         parts.append(f"{name}: {check['status']} ({check['summary']})")
                 tr.write_line(f"        {run['source']}: " + " | ".join(parts))
         watched = len(self.tests)
-        line = f"torchperf: {watched} watched test{'s' if watched != 1 else ''}"
+        line = f"torchperf: {plural(watched, 'watched test')}"
         if broken:
             line += ", broken invariants: " + ", ".join(f"{name} in {n}" for name, n in broken.items())
         else:

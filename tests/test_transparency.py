@@ -160,28 +160,55 @@ def test_a_callback_can_deepcopy_pickle_and_save_the_module_mid_fit(user_models:
 
         SEEN = {}
 
+        def outcome(fn):
+            try:
+                fn()
+                return "ok"
+            except Exception as exc:
+                return type(exc).__name__
+
         class Copier(pl.Callback):
+            def __init__(self, key):
+                self.key = key
+
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 if batch_idx != 1:
                     return
                 clone = copy.deepcopy(pl_module)
                 with torch.no_grad():
                     clone.layer.weight.add_(100.0)
-                SEEN["copy_runs_copy"] = clone.training_step(batch, 0) != pl_module.training_step(batch, 0)
-                SEEN["pickled"] = type(pickle.loads(pickle.dumps(pl_module))).__name__
                 buffer = io.BytesIO()
                 torch.save(pl_module, buffer)
                 buffer.seek(0)
-                SEEN["saved"] = type(torch.load(buffer, weights_only=False)).__name__
+                optimizer = trainer.optimizers[0]
+                SEEN[self.key] = {
+                    "copy_runs_copy": bool(clone.training_step(batch, 0) != pl_module.training_step(batch, 0)),
+                    "pickled": type(pickle.loads(pickle.dumps(pl_module))).__name__,
+                    "saved": type(torch.load(buffer, weights_only=False)).__name__,
+                    "optimizer_copy": type(copy.deepcopy(optimizer)).__name__,
+                    "optimizer_state": sorted(pickle.loads(pickle.dumps(optimizer.state_dict()))),
+                    "pickle_trainer": outcome(lambda: pickle.dumps(trainer)),
+                    "deepcopy_trainer": outcome(lambda: copy.deepcopy(trainer)),
+                }
+
+        def fit(tmp_path, key):
+            make_trainer(tmp_path, max_epochs=1, callbacks=[Copier(key)]).fit(TinyModule(), make_loader(num_workers=0))
+
+        def test_unwatched(tmp_path):
+            fit(tmp_path, "unwatched")
 
         @pytest.mark.torchperf(no_host_sync=False)
-        def test_fit(tmp_path):
-            make_trainer(tmp_path, max_epochs=1, callbacks=[Copier()]).fit(TinyModule(), make_loader(num_workers=0))
-            assert SEEN == {"copy_runs_copy": True, "pickled": "TinyModule", "saved": "TinyModule"}
+        def test_watched(tmp_path):
+            fit(tmp_path, "watched")
+
+        def test_the_same():
+            assert SEEN["watched"] == SEEN["unwatched"]
+            assert SEEN["watched"]["copy_runs_copy"] is True
+            assert (SEEN["watched"]["pickled"], SEEN["watched"]["saved"]) == ("TinyModule", "TinyModule")
         """
     )
-    result = user_models.runpytest("-p", "no:warnings")
-    result.assert_outcomes(passed=1)
+    result = user_models.runpytest("-p", "no:warnings", "-p", "no:randomly")
+    result.assert_outcomes(passed=3)
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])

@@ -39,6 +39,7 @@ from ..probes import optimizers as _optimizers
 from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import Stack, capture
+from ..text import plural
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -120,7 +121,7 @@ class GradsCheck(Check):
             facts = [reuse_fact] if self.steps_reusing_grads else []
             findings.append(
                 Finding(
-                    f"zero_grad(set_to_none=False) called {n_zero_grad} time{'s' if n_zero_grad != 1 else ''}",
+                    f"zero_grad(set_to_none=False) called {plural(n_zero_grad, 'time')}",
                     facts,
                     zero_grads,
                     "call zero_grad() with the default set_to_none=True: the gradients are freed and the next "
@@ -134,7 +135,7 @@ class GradsCheck(Check):
                 facts.append(reuse_fact)
             findings.append(
                 Finding(
-                    f".grad.zero_() called {n_manual} time{'s' if n_manual != 1 else ''} on parameter gradients",
+                    f".grad.zero_() called {plural(n_manual, 'time')} on parameter gradients",
                     facts,
                     manual,
                     "replace the loop that zeroes each p.grad by optimizer.zero_grad() (or "

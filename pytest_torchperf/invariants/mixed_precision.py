@@ -33,6 +33,7 @@ from ..probes import optimizers as _optimizers
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Stack, capture
+from ..text import plural
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -150,7 +151,7 @@ class PrecisionCheck(Check):
                 )
             sites = [Site("float32 optimizer step", self._first_float32)] if self._first_float32 else []
             title = f"{fp32} of {total} optimizer steps on {device} ran in float32 without autocast"
-            summary = f"{fp32} float32 optimizer step{'s' if fp32 != 1 else ''} on {device}"
+            summary = f"{plural(fp32, 'float32 optimizer step')} on {device}"
             return CheckResult(NAME, FAILED, summary, fp32, [Finding(title, facts, sites, hint)], figures)
         parts = []
         if self.steps["mixed"]:

@@ -32,6 +32,7 @@ from ..probes.data_parallel import PROBE
 from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site
 from ..stacks import Stack
+from ..text import plural
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -96,7 +97,7 @@ class DataParallelCheck(Check):
 
     # -- verdict ---------------------------------------------------------------------
     def _finding(self, rec: _Instance) -> Finding:
-        ran = f"ran {rec.forwards} forward pass{'es' if rec.forwards != 1 else ''}" if rec.forwards else "is in the model"
+        ran = f"ran {plural(rec.forwards, 'forward pass')}" if rec.forwards else "is in the model"
         title = f"torch.nn.{rec.description} {ran}"
         facts = []
         if rec.in_model:
@@ -146,7 +147,7 @@ class DataParallelCheck(Check):
         if findings:
             count = len(instances) or len(self.strategies)
             noun = "module" if count == 1 else "modules"
-            summary = f"{count} DataParallel {noun}, {forwards} forward pass{'es' if forwards != 1 else ''}"
+            summary = f"{count} DataParallel {noun}, {plural(forwards, 'forward pass')}"
             return CheckResult(NAME, FAILED, summary, count, findings, figures)
         return CheckResult(NAME, PASSED, "no DataParallel in the run", 0, [], figures)
 

@@ -27,7 +27,7 @@ from ..core import Check
 from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import FRAMEWORK, Stack, site_of
-from ..text import times
+from ..text import plural, times
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -77,7 +77,7 @@ class EmptyCacheCheck(Check):
             "from the training code; for fragmentation, set "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead."
         )
-        summary = f"{len(mine)} torch.cuda.empty_cache() call{'s' if len(mine) != 1 else ''} by your code"
+        summary = f"{plural(len(mine), 'torch.cuda.empty_cache() call')} by your code"
         return CheckResult(NAME, FAILED, summary, len(mine), [Finding(title, facts, sites, hint)], figures)
 
 

@@ -43,6 +43,7 @@ from ..probes.recompiles import PROBE
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import Stack, display_path
+from ..text import plural
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -164,7 +165,7 @@ class RecompileCheck(Check):
         limits = [e.limit for e in events if e.limit]
         parts = []
         if after:
-            parts.append(f"was compiled again {len(after)} time{'s' if len(after) != 1 else ''} after warm-up")
+            parts.append(f"was compiled again {plural(len(after), 'time')} after warm-up")
         if limits:
             parts.append(
                 f"hit torch._dynamo.config.{limits[0]} ({_limit_value(limits[0])}) after {len(compiled)} "
@@ -233,14 +234,14 @@ class RecompileCheck(Check):
         compiled = [e for e in self.recompiles if not e.limit]
         if bad:
             findings = [self._finding(events) for events in bad]
-            parts = [f"{len(after)} recompile{'s' if len(after) != 1 else ''} after warm-up"] if after else []
+            parts = [f"{plural(len(after), 'recompile')} after warm-up"] if after else []
             if limits:
-                parts.append(f"{len(limits)} recompile limit hit{'s' if len(limits) != 1 else ''}")
+                parts.append(f"{plural(len(limits), 'recompile limit hit')}")
             return CheckResult(NAME, FAILED, ", ".join(parts), len(after) + len(limits), findings, figures)
         if not self.compiles and not self.recompiles:
             summary = "no torch.compile compilation during the run"
         else:
-            summary = f"{self.compiles} compile{'s' if self.compiles != 1 else ''}, no recompile after warm-up"
+            summary = f"{plural(self.compiles, 'compile')}, no recompile after warm-up"
             if compiled:
                 summary += f" ({len(compiled)} during warm-up)"
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
