@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - the lightning package only
 
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from pytest_torchperf import InvariantViolation, NotMirrored, UsageError, parity, vanilla_fit, watch  # noqa: E402
+from pytest_torchperf import InvariantViolation, NotMirrored, ParityResult, UsageError, parity, vanilla_fit, watch  # noqa: E402
 from pytest_torchperf.options import Options, parse_options  # noqa: E402
 from pytest_torchperf.timing import (  # noqa: E402
     LOCK_ENV,
@@ -142,7 +142,7 @@ def test_rounds_take_the_wait_for_a_cpu_out_of_both_sides() -> None:
     rounds.add(1.5, 1.0, 0.5, 0.0)  # the candidate's epoch was stretched by another process
     rounds.add(1.0, 1.25, 0.0, 0.25)
     assert rounds.ratios == [1.0, 1.0]
-    stats = rounds.result(("a", "b"), 1)
+    stats = ParityResult.from_rounds(rounds, ("a", "b"), 1)
     assert stats.candidate.wait_share == pytest.approx(0.5 / 2.5) and stats.baseline.wait_share == pytest.approx(0.25 / 2.25)
     assert "waited for a CPU (Linux run-queue delay): 20.0% of a's wall time, 11.1% of b's" in str(stats)
 

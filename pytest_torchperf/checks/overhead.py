@@ -57,15 +57,14 @@ from ..timing import (
     NotMirrored,
     ParityResult,
     Rounds,
-    VanillaLoop,
-    _autocast_dtype,
-    _module_device,
     Stopwatch,
-    _seconds,
+    VanillaLoop,
     frozen_heap,
     timing_lock,
     torch_threads,
 )
+from ..timing.stats import fmt_seconds as _seconds
+from ..timing.vanilla import _autocast_dtype, _module_device
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import USER, Frame, Stack, capture, classify, display_path
 
@@ -750,7 +749,8 @@ def _replay(fit: _Fit, max_overhead: Optional[float], rounds: int) -> _Replay:
         notes.append(f"torch's thread count changed during the replay: {sorted(interleaver.threads)}")
     if interleaver.loop is not None:
         notes.extend(interleaver.loop.notes)
-    parity = controller.result(
+    parity = ParityResult.from_rounds(
+        controller,
         NAMES,
         1,
         threads=min(interleaver.threads) if interleaver.threads else None,
