@@ -25,6 +25,8 @@ _NUMBER_INVARIANTS = ("max_overhead", "min_workers")
 OVERHEAD_ROUNDS = 10
 OVERHEAD_MIN_ROUNDS = 4
 OVERHEAD_MAX_ROUNDS = 1000
+#: ``overhead_inconclusive``: what a ``max_overhead`` verdict that is neither a pass nor a fail does to the test.
+OVERHEAD_INCONCLUSIVE = ("fail", "skip", "warn")
 
 
 class UsageError(ValueError):
@@ -92,6 +94,11 @@ class Options:
         OVERHEAD_ROUNDS,
         "max_overhead times at most this many rounds (one fit epoch and one vanilla epoch each, "
         f"after a warm-up); it stops after {OVERHEAD_MIN_ROUNDS} once the 95% interval is clear of the threshold",
+    )
+    overhead_inconclusive: str = _setting(
+        "fail",
+        "what max_overhead does when its interval still straddles the threshold after overhead_rounds: "
+        "'fail' the test, 'skip' it, or 'warn' (pass with a warning)",
     )
     max_syncs_per_step: Optional[int] = _setting(
         None,
@@ -236,6 +243,14 @@ def parse_options(
                 f"{where}: {name} must be an integer >= {lowest} ({meaning}) or None, "
                 f"got {value!r} ({_type_name(value)})"
             )
+    for name, choices in (("overhead_inconclusive", OVERHEAD_INCONCLUSIVE),):
+        if name in kwargs:
+            value = kwargs[name]
+            if not isinstance(value, str) or value not in choices:
+                hint = _suggest(value, choices) if isinstance(value, str) else ""
+                raise UsageError(
+                    f"{where}: {name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}{hint}"
+                )
     if "scope" in kwargs:
         value = kwargs["scope"]
         if not isinstance(value, str) or value not in SCOPES:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 from . import stacks
 from .options import Options, parse_options
 from .patching import Patcher
-from .report import InvariantViolation, Report
+from .report import Report, settle
 
 __all__ = ["Run", "watch", "active_runs", "FLAGS"]
 
@@ -211,7 +211,7 @@ class Run:
 
     def finish(self) -> Report:
         """Evaluate every check and store the :class:`Report` on ``run.report``."""
-        report = Report(steps=self.steps)
+        report = Report(steps=self.steps, on_inconclusive=self.options.overhead_inconclusive)
         for name, check in self.checks.items():
             report.checks[name] = check.result()
         self.report = report
@@ -258,15 +258,15 @@ def watch(**kwargs: Any) -> Iterator[Run]:
     """Watch the block, then check its invariants.
 
     Takes the same keyword arguments as ``@pytest.mark.torchperf``. On a clean
-    exit a broken invariant raises :class:`InvariantViolation`; an exception
-    raised by the block itself propagates untouched. ``run.report`` holds the
-    verdicts either way.
+    exit a broken invariant raises :class:`InvariantViolation`, and an
+    inconclusive one does what ``overhead_inconclusive`` says (see
+    :func:`~pytest_torchperf.report.settle`); an exception raised by the block
+    itself propagates untouched. ``run.report`` holds the verdicts either way.
     """
     options = parse_options(kwargs, where="torchperf.watch()")
     with _watching(options) as run:
         yield run
-    if not run.report.passed:  # type: ignore[union-attr]
-        raise InvariantViolation(run.report)  # type: ignore[arg-type]
+    settle(run.report)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from .. import lightning
-from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
+from ..report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Frame, Stack, capture
 from ..timing import NotMirrored, ParityResult
-from ..timing.stats import fmt_seconds as _seconds
+from ..timing.stats import fmt_pct, fmt_seconds as _seconds
 from .attribution import attribution, where_finding
 from .replay import ObservedFit, config_refusals, copy_callbacks, mirrored_config, run_replay, snapshot
 
@@ -112,6 +112,7 @@ class OverheadCheck:
         figures: dict[str, Any] = {"fits": [o.figures for o in outcomes]}
         exceeded = [o for o in outcomes if o.status == "exceeded"]
         refused = [o for o in outcomes if o.status == "refused"]
+        unsure = [o for o in outcomes if o.status == INCONCLUSIVE]
         timed = [o for o in outcomes if o.parity is not None]
         if timed:
             worst = max(timed, key=lambda o: o.parity.overhead)  # type: ignore[union-attr]
@@ -128,6 +129,10 @@ class OverheadCheck:
             first = (exceeded or refused)[0]
             summary = first.summary + (f" ({first.fit.label} #{first.fit.index} of {len(outcomes)})" if many else "")
             return CheckResult(NAME, FAILED, summary, len(exceeded) + len(refused), findings, figures)
+        if unsure:
+            first = unsure[0]
+            summary = first.summary + (f" ({first.fit.label} #{first.fit.index} of {len(outcomes)})" if many else "")
+            return CheckResult(NAME, INCONCLUSIVE, summary, 0, findings, figures)
         summary = worst.summary if timed else "no fit was timed"  # type: ignore[possibly-undefined]
         if many:
             summary += f" (worst of {len(outcomes)} fits)"
@@ -158,33 +163,41 @@ class OverheadCheck:
         figures.update(parity.to_dict())
         figures.update(
             {
-                "status": "failed" if parity.exceeded else "passed",
+                "status": parity.verdict,
                 "batches_per_epoch": replay.batches,
                 "hooks": [h.to_dict() for h in hooks],
                 "check_seconds": seconds,
             }
         )
         summary = parity.summary()
-        if not parity.exceeded:
+        if parity.verdict == PASSED:
             return _Outcome(fit, "passed", summary, [], figures, parity)
         facts = parity.facts() + [
             f"the timed fit replays yours from the same initial weights, with {', '.join(replay.excluded)} off "
             "(the vanilla loop has none of them)",
         ]
-        title = (
+        took = (
             f"{fit.label}: a Lightning epoch took {_seconds(parity.candidate.median)} against "
             f"{_seconds(parity.baseline.median)} for the vanilla loop derived from {fit.module_name}: "
-            f"{parity.overhead:+.1%}, more than max_overhead={parity.max_overhead:.0%}"
+            f"{parity.overhead:+.1%}"
         )
-        findings = [Finding(title, facts, [site])]
-        findings.append(where_finding(replay, hooks))
-        return _Outcome(fit, "exceeded", summary, findings, figures, parity)
+        if parity.verdict == FAILED:
+            title = f"{took}, more than max_overhead={parity.max_overhead:.0%}"
+            findings = [Finding(title, facts, [site]), where_finding(replay, hooks)]
+            return _Outcome(fit, "exceeded", summary, findings, figures, parity)
+        lo, hi = parity.interval
+        title = (
+            f"{took}; its 95% interval {fmt_pct(lo)}..{fmt_pct(hi)} includes max_overhead={parity.max_overhead:.0%}, "
+            "so it neither passes nor fails: inconclusive"
+        )
+        findings = [Finding(title, facts, [site], parity.inconclusive_hint()), where_finding(replay, hooks)]
+        return _Outcome(fit, INCONCLUSIVE, summary, findings, figures, parity)
 
 
 @dataclass
 class _Outcome:
     fit: ObservedFit
-    status: str  # "passed", "exceeded", "refused"
+    status: str  # "passed", "exceeded", "inconclusive", "refused"
     summary: str
     findings: list[Finding]
     figures: dict[str, Any]

@@ -23,7 +23,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .. import lightning
 from ..stacks import Stack
@@ -37,8 +37,10 @@ from ..timing import (
     VanillaLoop,
     frozen_heap,
     timing_lock,
+    timing_threads,
     torch_threads,
 )
+from ..timing.clock import torch_threads_pinned
 from ..timing.vanilla import _autocast_dtype, _module_device
 from ..watch import suspended
 
@@ -214,10 +216,14 @@ def _train_loaders(trainer: Any) -> Any:
 class _Interleaver:
     """Runs vanilla epochs at the replay's epoch boundaries and times both sides (see the module docstring)."""
 
-    def __init__(self, fit: ObservedFit, rounds: Rounds, profiler: Any) -> None:
+    def __init__(self, fit: ObservedFit, rounds: Rounds, profiler: Any, pin: Callable[[int], None]) -> None:
         self.fit = fit
         self.rounds = rounds
         self.profiler = profiler
+        self.pin = pin
+        #: torch's thread count when the replay began (the user's fit's), and what both sides were timed with.
+        self.user_threads = torch_threads()
+        self.timing_threads: Optional[int] = None
         self.loop: Optional[VanillaLoop] = None
         self.device: Any = None
         self.epoch = -1  # the Lightning epoch running now
@@ -240,6 +246,9 @@ class _Interleaver:
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         device = getattr(pl_module, "device", None)
         self.device = device if device is not None else _module_device(pl_module)
+        self.timing_threads = timing_threads(self.device)
+        if self.timing_threads is not None:
+            self.pin(self.timing_threads)
         self.window = Stopwatch(self.device)
         module = copy.deepcopy(self.fit.snapshot).to(self.device)
         self.loop = VanillaLoop(module, _train_loaders(trainer), trainer=trainer, **self.fit.mirror)
@@ -270,7 +279,7 @@ class _Interleaver:
                 if ended % 2 == 0:  # an L-first round: its vanilla epoch follows
                     self.v_times[ended] = self._vanilla_epoch(n)
                 (l_wall, l_wait), (v_wall, v_wait) = self.l_times[ended], self.v_times[ended]
-                self.rounds.add(l_wall, v_wall, l_wait, v_wait)
+                self.rounds.add(l_wall, v_wall, l_wait, v_wait, candidate_first=ended % 2 == 0)
                 if self.rounds.done():
                     trainer.should_stop = True
                     self.stopped = True
@@ -482,10 +491,12 @@ def run_replay(fit: ObservedFit, max_overhead: Optional[float], rounds: int) -> 
     notes: list[str] = []
     controller = Rounds(max_overhead, rounds)
     profiler = _profiler(fit.package)
-    interleaver = _Interleaver(fit, controller, profiler)
-    timer = _timer_callback(fit.package)(interleaver)
     root = tempfile.mkdtemp(prefix="torchperf-replay-")
-    try:
+    with contextlib.ExitStack() as stack:
+        pin = stack.enter_context(torch_threads_pinned())
+        stack.callback(shutil.rmtree, root, ignore_errors=True)
+        interleaver = _Interleaver(fit, controller, profiler, pin)
+        timer = _timer_callback(fit.package)(interleaver)
         kwargs, excluded = _replay_trainer_kwargs(fit, timer, profiler, root, rounds, notes)
         if "profiler" not in kwargs:
             notes.append("barebones=True: Lightning cannot be profiled, so the hooks are not broken down")
@@ -499,8 +510,6 @@ def run_replay(fit: ObservedFit, max_overhead: Optional[float], rounds: int) -> 
                 trainer = type(fit.trainer)(**kwargs)
                 trainer.fit(**fit_kwargs)
                 elapsed = time.perf_counter() - started
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     if len(controller) < 2:
         raise RuntimeError(
             f"the timing replay stopped after {len(interleaver.l_times)} epochs, before two rounds were timed "
@@ -511,12 +520,21 @@ def run_replay(fit: ObservedFit, max_overhead: Optional[float], rounds: int) -> 
         controller.stop_reason = f"the fit ended after {len(controller)} rounds"
     if len(interleaver.threads) > 1:
         notes.append(f"torch's thread count changed during the replay: {sorted(interleaver.threads)}")
+    pinned, before = interleaver.timing_threads, interleaver.user_threads
+    if pinned is not None and before is not None and before != pinned:
+        notes.append(
+            f"your fit ran with {before} torch threads; both loops were timed with {pinned}: several threads "
+            "spin-wait for each other whenever another process holds a core, which inflates every clock of "
+            "this process, and one thread gives the same figure on any machine"
+        )
     if interleaver.loop is not None:
         notes.extend(interleaver.loop.notes)
     parity = ParityResult.from_rounds(
         controller,
         NAMES,
         1,
+        unit=interleaver.window.unit,
+        advice=f"overhead_rounds={rounds}",
         threads=min(interleaver.threads) if interleaver.threads else None,
         device=str(interleaver.device) if interleaver.device is not None else None,
         load=load.figures,

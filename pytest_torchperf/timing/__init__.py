@@ -11,9 +11,9 @@ Plain Python, no pytest. Two public entry points:
 
 The modules, bottom up:
 
-- :mod:`.stats`: quantiles, the paired-rounds statistics and the stop rule (pure);
-- :mod:`.clock`: the stopwatch and its units, the load meter, the timing lock,
-  the frozen heap;
+- :mod:`.stats`: the paired-rounds estimate, its interval, the three verdicts and the stop rule (pure);
+- :mod:`.clock`: the stopwatch and its units, the thread count to time with, the
+  load meter, the timing lock, the frozen heap;
 - :mod:`.vanilla`: the derived loop (:class:`VanillaLoop`, :func:`vanilla_fit`);
 - :mod:`.parity`: :func:`parity` and :class:`ParityResult`, the verdict the
   ``max_overhead`` invariant reports too.
@@ -24,25 +24,34 @@ Nothing here imports torch at import time.
 from __future__ import annotations
 
 from .clock import (
+    CUDA_EVENT_TIME,
     LOCK_ENV,
+    THREAD_TIME,
+    WALL_TIME,
     LoadMeter,
     LockInfo,
     Stopwatch,
+    clock_unit,
     cpu_wait,
     frozen_heap,
     synchronize,
     timing_lock,
+    timing_threads,
     torch_threads,
 )
 from .parity import ParityResult, parity
-from .stats import CONFIDENCE, MIN_ROUNDS, Rounds, SideStats, bootstrap_interval, median, quantile
+from .stats import CONFIDENCE, MIN_ROUNDS, Estimate, Rounds, SideStats, estimate, median, quantile, t_quantile, verdict
 from .vanilla import WARMUP_BATCHES, NotMirrored, VanillaLoop, vanilla_fit
 
 __all__ = [
     "CONFIDENCE",
+    "CUDA_EVENT_TIME",
     "LOCK_ENV",
     "MIN_ROUNDS",
+    "THREAD_TIME",
+    "WALL_TIME",
     "WARMUP_BATCHES",
+    "Estimate",
     "LoadMeter",
     "LockInfo",
     "NotMirrored",
@@ -51,14 +60,18 @@ __all__ = [
     "SideStats",
     "Stopwatch",
     "VanillaLoop",
-    "bootstrap_interval",
+    "clock_unit",
     "cpu_wait",
+    "estimate",
     "frozen_heap",
     "median",
     "parity",
     "quantile",
     "synchronize",
+    "t_quantile",
     "timing_lock",
+    "timing_threads",
     "torch_threads",
     "vanilla_fit",
+    "verdict",
 ]

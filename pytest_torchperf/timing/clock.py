@@ -1,11 +1,14 @@
 """The clocks of a timed comparison and the machine around them.
 
-:class:`Stopwatch` times a section on this thread (CUDA synchronised), less
-the time the thread waited for a CPU (Linux run-queue delay,
-``/proc/thread-self/schedstat``); :class:`LoadMeter` says how much other work
-got in the way; :func:`timing_lock` keeps timed sections of xdist workers
-apart; :func:`frozen_heap` keeps the cyclic collector out of the timing.
-Nothing here imports torch.
+:class:`Stopwatch` times a section on this thread in a unit load cannot
+inflate where the platform allows (:func:`clock_unit`): CUDA events on a GPU,
+wall time less the thread's run-queue delay on a Linux CPU
+(``/proc/thread-self/schedstat``), wall time elsewhere.
+:func:`timing_threads` says how many torch threads to time a CPU fit with;
+:class:`LoadMeter` says how much other work got in the way;
+:func:`timing_lock` keeps timed sections of xdist workers apart;
+:func:`frozen_heap` keeps the cyclic collector out of the timing. Nothing
+here imports torch.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 #: Environment variable naming the file whose exclusive lock serialises timed sections.
 LOCK_ENV = "PYTEST_TORCHPERF_TIMING_LOCK"
@@ -174,27 +177,86 @@ def cpu_wait() -> Optional[float]:
         return None
 
 
+#: Units a :class:`Stopwatch` measures in (see :func:`clock_unit`).
+THREAD_TIME = "thread time"
+WALL_TIME = "wall time"
+CUDA_EVENT_TIME = "CUDA event time"
+#: ``parity()`` callables that return the epoch times they measured themselves.
+RETURNED_TIME = "returned time"
+UNIT_TEXT = {
+    THREAD_TIME: "wall time of the timing thread less the time it waited for a CPU (Linux run-queue delay)",
+    WALL_TIME: "wall time (this platform has no per-thread scheduler figures, so other work on the machine counts)",
+    CUDA_EVENT_TIME: "GPU time between CUDA events on the current stream (the queue drained before each epoch)",
+    RETURNED_TIME: "the epoch times the callables returned",
+}
+
+
+def _cuda_device(device: Any) -> Any:
+    """The CUDA device to time on: ``device`` if it is one; with no device, the current one once CUDA is in use."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if device is not None:
+        return device if getattr(device, "type", None) == "cuda" else None
+    try:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a broken driver: time on the host
+        return None
+
+
+def clock_unit(device: Any = None) -> str:
+    """The unit a :class:`Stopwatch` on ``device`` measures in.
+
+    CUDA events on a GPU: the GPU's own clock between two points of its queue,
+    which keeps the host's scheduling out of a GPU-bound epoch. On a CPU under
+    Linux, the thread's wall time less its run-queue delay: unlike its CPU
+    time, that keeps the time the thread blocks (on I/O, a lock, DataLoader
+    workers), and other processes cannot inflate it. Elsewhere, wall time.
+    """
+    if _cuda_device(device) is not None:
+        return CUDA_EVENT_TIME
+    return THREAD_TIME if cpu_wait() is not None else WALL_TIME
+
+
 class Stopwatch:
-    """Times a section on this thread: wall seconds (CUDA synchronised) and how much of it went waiting for a CPU."""
+    """Times a section on this thread, in :attr:`unit` (see :func:`clock_unit`), CUDA synchronised.
+
+    :meth:`stop` returns ``(seconds, seconds waiting for a CPU)``: in thread
+    time the seconds are wall seconds and the wait is what to take out of them;
+    in the other units the wait is None.
+    """
 
     def __init__(self, device: Any = None) -> None:
         self.device = device
+        self.unit = clock_unit(device)
+        self._cuda = _cuda_device(device) if self.unit == CUDA_EVENT_TIME else None
         self._started = 0.0
         self._wait: Optional[float] = None
+        self._events: Any = None
 
     # The clock is read outside the two waits readings: returning from the /proc read is where the
     # scheduler likes to switch threads, and a wait that falls between the readings must be one the
     # wall time holds too, or it would be taken out of time it was never part of.
 
     def start(self) -> None:
-        synchronize(self.device)
+        synchronize(self.device if self._cuda is None else self._cuda)
+        if self._cuda is not None:
+            torch = sys.modules["torch"]
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record(torch.cuda.current_stream(self._cuda))
         self._started = time.perf_counter()
-        self._wait = cpu_wait()
+        self._wait = cpu_wait() if self.unit == THREAD_TIME else None
 
     def stop(self) -> tuple[float, Optional[float]]:
-        """``(wall seconds, seconds waiting for a CPU or None)`` since :meth:`start`."""
+        """``(seconds, seconds waiting for a CPU or None)`` since :meth:`start`."""
+        if self._cuda is not None:
+            torch = sys.modules["torch"]
+            begin, end = self._events
+            end.record(torch.cuda.current_stream(self._cuda))
+            synchronize(self._cuda)
+            return begin.elapsed_time(end) * 1e-3, None
         synchronize(self.device)
-        wait = cpu_wait()
+        wait = cpu_wait() if self.unit == THREAD_TIME else None
         wall = time.perf_counter() - self._started
         if wait is None or self._wait is None:
             return wall, None
@@ -218,3 +280,39 @@ def synchronize(device: Any = None) -> None:
         return
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+#: torch intra-op threads while the ``max_overhead`` replay times a fit on a CPU.
+CPU_TIMING_THREADS = 1
+
+
+def timing_threads(device: Any) -> Optional[int]:
+    """The torch thread count to time a fit on ``device`` with: :data:`CPU_TIMING_THREADS` on a CPU, else None (leave it).
+
+    With several intra-op threads, every parallel region ends at a barrier
+    where the threads spin for each other; when another process holds a core,
+    the thread that waited for it holds up the others, which spin on. Measured
+    on 2 cores beside a bursty CPU hog with torch's default 2 threads: a 31 ms
+    Lightning epoch took 1.3 s of wall time and 0.55 s of the training
+    thread's CPU time, and no clock of this process takes that out. With one
+    thread the epoch's time less its run-queue wait is what it is on a quiet
+    machine. It also makes the figure the same on any core count.
+    """
+    return CPU_TIMING_THREADS if getattr(device, "type", "cpu") == "cpu" else None
+
+
+@contextlib.contextmanager
+def torch_threads_pinned() -> Iterator[Callable[[int], None]]:
+    """Yields ``pin(n)``, which sets torch's intra-op thread count to ``n``; the count is restored on exit."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+
+    def pin(n: int) -> None:
+        if torch is not None and torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    try:
+        yield pin
+    finally:
+        if torch is not None and before is not None and torch.get_num_threads() != before:
+            torch.set_num_threads(before)
