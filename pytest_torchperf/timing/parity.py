@@ -52,7 +52,7 @@ class ParityResult:
     max_overhead: Optional[float]
     warmup_rounds: int
     stop_reason: str
-    #: Confidence of the interval at each look at the data (95% over all the looks the budget allowed).
+    #: Confidence of the interval at the look that ended the timing (the looks together keep the verdict at 95%).
     level: float = CONFIDENCE
     #: What the epoch times measure (see :func:`pytest_torchperf.timing.clock.clock_unit`).
     unit: str = ""
@@ -174,7 +174,7 @@ class ParityResult:
         warm = f"{self.warmup_rounds} warm-up round{'s' if self.warmup_rounds != 1 else ''} dropped"
         lines.append(
             f"rounds: {self.rounds} timed, interleaved A/B then B/A, {warm}; stopped: {self.stop_reason} "
-            f"(each look at the data uses a {self.level:.1%} interval, so the verdict holds at 95% over all of them)"
+            f"(that look's interval is a {self.level:.1%} one, so that all the looks together hold at 95%)"
         )
         setting = []
         if self.unit:

@@ -18,10 +18,12 @@ what one run's rounds show.
 
 Timing stops early (:class:`Rounds`) when the interval is clear of the
 threshold. Every look at the data is a chance to stop on a fluke, so the
-interval at each of the ``k`` possible looks is a ``1 - 0.05 / k`` interval
-(Bonferroni): the verdict holds at 95% however many looks it took. A verdict
-is *passed* (the interval lies below the threshold), *failed* (above) or
-*inconclusive* (it straddles the threshold when the round budget is spent).
+looks share the 5% error a verdict may have (a weighted Bonferroni bound):
+the first look, after 4 rounds, gets half of it, the later ones split the
+other half (:func:`look_levels`). The verdict holds at 95% however many looks
+it took, and most clear cases stop at the first. A verdict is *passed* (the
+interval lies below the threshold), *failed* (above) or *inconclusive* (it
+straddles the threshold when the round budget is spent).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "SideStats",
     "check_int",
     "estimate",
+    "look_levels",
     "looks",
     "median",
     "quantile",
@@ -241,6 +244,15 @@ def looks(max_rounds: int, min_rounds: int = MIN_ROUNDS) -> list[int]:
     return [n for n in range(first, max_rounds + 1) if n % 2 == 0 or n == max_rounds]
 
 
+def look_levels(looks_at: Sequence[int], confidence: float = CONFIDENCE) -> dict[int, float]:
+    """The confidence of the interval at each look: the first takes half of the error allowed, the rest share the other half."""
+    alpha = 1.0 - confidence
+    if len(looks_at) == 1:
+        return {looks_at[0]: confidence}
+    later = alpha / 2.0 / (len(looks_at) - 1)
+    return {n: 1.0 - (alpha / 2.0 if i == 0 else later) for i, n in enumerate(looks_at)}
+
+
 # ----------------------------------------------------------------------------- sides and rounds
 
 
@@ -304,8 +316,8 @@ class Rounds:
     round (both orders equally often) and after the last one; stops at the
     first look whose interval is clear of ``max_overhead`` (without a
     threshold: narrower than 4 points), or when ``rounds`` rounds are in.
-    Each look's interval is at ``1 - (1 - CONFIDENCE) / looks`` (see the
-    module docstring).
+    Each look's interval has the confidence :func:`look_levels` gives it (see
+    the module docstring).
     """
 
     def __init__(self, max_overhead: Optional[float] = None, rounds: int = OVERHEAD_ROUNDS, min_rounds: int = MIN_ROUNDS) -> None:
@@ -314,7 +326,7 @@ class Rounds:
         self.min_rounds = min(min_rounds, rounds)
         self.looks = looks(rounds, self.min_rounds)
         #: Confidence of the interval at each look.
-        self.level = 1.0 - (1.0 - CONFIDENCE) / len(self.looks)
+        self.levels = look_levels(self.looks)
         self.candidate: list[float] = []
         self.baseline: list[float] = []
         self.candidate_waits: list[float] = []
@@ -351,6 +363,12 @@ class Rounds:
             baseline_s -= baseline_wait_s
         self.candidate.append(candidate_s)
         self.baseline.append(baseline_s)
+
+    @property
+    def level(self) -> float:
+        """The confidence of the interval now: that of the last look taken (the first one before it)."""
+        taken = [n for n in self.looks if n <= len(self)]
+        return self.levels[taken[-1] if taken else self.looks[0]]
 
     def estimate(self) -> Estimate:
         return estimate(self.ratios, self.level, candidate_first=self.candidate_first)
