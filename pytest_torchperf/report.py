@@ -19,7 +19,6 @@ __all__ = [
     "FAILED",
     "NOT_CHECKED",
     "INCONCLUSIVE",
-    "INCONCLUSIVE_ACTIONS",
     "Site",
     "Finding",
     "CheckResult",
@@ -35,8 +34,6 @@ FAILED = "failed"
 NOT_CHECKED = "not checked"
 #: A measured verdict that could not be confirmed either way (``max_overhead`` whose interval straddles the threshold).
 INCONCLUSIVE = "inconclusive"
-#: What an inconclusive verdict does to its run: fail it (the default), skip it, or pass with a warning.
-INCONCLUSIVE_ACTIONS = ("fail", "skip", "warn")
 
 #: Without ``-v``, a report shows at most this many findings per invariant and sites per finding.
 MAX_FINDINGS = 5
@@ -166,7 +163,7 @@ class Report:
 
     checks: dict[str, CheckResult] = field(default_factory=dict)
     steps: int = 0
-    #: What an inconclusive verdict does: one of :data:`INCONCLUSIVE_ACTIONS`.
+    #: What an inconclusive verdict does to the run: "fail" it, "skip" it or "warn" (see :func:`settle`).
     on_inconclusive: str = "fail"
 
     @property
@@ -235,7 +232,6 @@ class Report:
         return {
             "passed": self.passed,
             "steps": self.steps,
-            "on_inconclusive": self.on_inconclusive,
             "checks": {name: c.to_dict() for name, c in self.checks.items()},
         }
 
