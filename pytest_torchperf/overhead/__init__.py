@@ -15,10 +15,16 @@ Round r pairs L_r with the adjacent V_r (V first in odd rounds, L first in
 even ones). A Lightning epoch is timed from the end of one
 ``on_train_epoch_start`` boundary to the start of the next, so every per-epoch
 cost Lightning has is inside it; vanilla epochs run outside that window.
-Both sides are timed by :class:`~pytest_torchperf.timing.Stopwatch` (CUDA
-synchronised, less the thread's waits for a CPU). Rounds stop as
-:class:`~pytest_torchperf.timing.Rounds` decides; the verdict is the median
-paired ratio against ``1 + max_overhead``.
+Both sides are timed by :class:`~pytest_torchperf.timing.Stopwatch`: CUDA
+events on a GPU; on a CPU, with one torch thread on both sides, wall time
+less the thread's waits for a CPU. Rounds stop as
+:class:`~pytest_torchperf.timing.Rounds` decides; the verdict comes from the
+95% interval of the overhead (paired ratios balanced over their order):
+passed below ``max_overhead``, failed above, inconclusive when it still
+straddles it after ``overhead_rounds``.
+
+Modules: :mod:`.check` (the verdict), :mod:`.replay` (what the fit leaves to
+replay, and the replay), :mod:`.attribution` (where the extra time went).
 
 The replay differs from the user's fit only where timing needs it, and the
 report says so: no validation and no sanity check (``limit_val_batches=0``,
