@@ -341,7 +341,7 @@ def parity(
     if not (isinstance(names, (tuple, list)) and len(names) == 2 and all(isinstance(n, str) and n for n in names)):
         raise UsageError(f"{where}: names must be two non-empty strings, got {names!r}")
     controller = Rounds(max_overhead, rounds)
-    unit = ""
+    units: dict[str, None] = {}  # the units the calls were measured in, in order
     with timing_lock() as lock:
         locked = time.perf_counter()
         threads = torch_threads()
@@ -354,9 +354,8 @@ def parity(
                 if threads is not None and torch is not None and torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
                     repinned += 1
-                nonlocal unit
-                seconds, waited, unit_now = _call_time(fn, side)
-                unit = unit_now if unit in ("", unit_now) else "mixed"
+                seconds, waited, unit = _call_time(fn, side)
+                units.setdefault(unit)
                 return seconds, waited
 
             index = 0
@@ -381,7 +380,7 @@ def parity(
         controller,
         (names[0], names[1]),
         warmup,
-        unit=unit,
+        unit=" and ".join(UNIT_TEXT.get(u, u) for u in units) if len(units) > 1 else next(iter(units), ""),
         threads=threads,
         load=load.figures,
         lock=lock.path,
