@@ -102,6 +102,8 @@ def timed_fit(root: str, module: Any, loader: DataLoader, max_overhead: float, r
         "threads": fit["threads"],
         "cpu_wait": fit["load"].get("cpu_wait_fraction"),
         "vanilla_epoch_s": fit["baseline"]["median_s"],
+        "ratios": fit["ratios"],
+        "candidate_first": fit["candidate_first"],
         "check_s": fit["check_seconds"],
         "total_s": time.perf_counter() - started,
     }
@@ -123,6 +125,14 @@ def summarize(name: str, threshold: float, condition: str, runs: list[dict[str, 
         "check_s_median": statistics.median(r["check_s"] for r in runs),
         "cpu_wait_median": statistics.median(r["cpu_wait"] or 0.0 for r in runs),
     }
+
+
+def wait_line(rows: list[dict[str, Any]]) -> str:
+    waits = [row["cpu_wait_median"] for row in rows]
+    return (
+        f"our threads waited for a CPU {min(waits):.0%}-{max(waits):.0%} of their runnable time (median per case and "
+        "condition): above 10% the machine was busy with other work, above 50% heavily"
+    )
 
 
 def verdict_line(row: dict[str, Any]) -> str:
@@ -219,6 +229,7 @@ def main() -> None:
     for row in rows:
         log(verdict_line(row))
     log("")
+    log(wait_line(rows))
     for line in target(rows):
         log(line)
     if args.json:
