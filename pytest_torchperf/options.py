@@ -20,6 +20,8 @@ __all__ = ["SCOPES", "Options", "UsageError", "parse_options", "describe_options
 OVERHEAD_ROUNDS = 10
 OVERHEAD_MIN_ROUNDS = 4
 OVERHEAD_MAX_ROUNDS = 1000
+#: ``overhead_inconclusive``: what a ``max_overhead`` verdict that is neither a pass nor a fail does to the test.
+OVERHEAD_INCONCLUSIVE = ("fail", "skip", "warn")
 
 
 class Options:

@@ -27,9 +27,9 @@ import pytest
 
 from . import results, stacks
 from .arguments import UsageError, suggest
-from .options import OVERHEAD_ROUNDS, SCOPES, Options, describe_options, parse_options
+from .options import OVERHEAD_INCONCLUSIVE, OVERHEAD_ROUNDS, SCOPES, Options, describe_options, parse_options
+from .report import FAILED, INCONCLUSIVE, NOT_CHECKED, Inconclusive, InvariantViolation, Report, settle
 from .text import plural
-from .report import FAILED, NOT_CHECKED, InvariantViolation, Report
 from .timing import ParityResult, parity
 from .core import Run
 from .watch import stop as _stop_run
@@ -42,6 +42,7 @@ TIMING_LOCK_ENV = "PYTEST_TORCHPERF_TIMING_LOCK"
 _OPTIONS = pytest.StashKey[Optional[Options]]()
 _RUNS = pytest.StashKey["list[tuple[str, Any]]"]()  # (source, a Run or a _Comparison)
 _SETTINGS = pytest.StashKey["Settings"]()
+_SKIPPED = pytest.StashKey[bool]()  # the test was skipped for an inconclusive verdict
 
 
 # -- settings ----------------------------------------------------------------------------
@@ -55,12 +56,21 @@ class Settings:
     report_only: bool = False
     json_path: Optional[str] = None
     threads: str = "auto"  # "auto", "off" or a positive integer
+    overhead_inconclusive: Optional[str] = None  # None: each marker's own default
 
 
 def _scope_arg(value: str) -> str:
     if value not in SCOPES:
         raise argparse.ArgumentTypeError(
             f"must be one of {', '.join(SCOPES)}, got {value!r}{suggest(value, SCOPES)}"
+        )
+    return value
+
+
+def _inconclusive_arg(value: str) -> str:
+    if value not in OVERHEAD_INCONCLUSIVE:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(OVERHEAD_INCONCLUSIVE)}, got {value!r}{suggest(value, OVERHEAD_INCONCLUSIVE)}"
         )
     return value
 
@@ -102,10 +112,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="torch CPU threads per process: 'auto' (under xdist: cores / workers, unless OMP_NUM_THREADS "
         "or MKL_NUM_THREADS is set), 'off' or a number (ini: torchperf_threads; default auto)",
     )
+    group.addoption(
+        "--torchperf-overhead-inconclusive",
+        metavar="ACTION",
+        type=_inconclusive_arg,
+        default=None,
+        help="what a max_overhead verdict that stays inconclusive (its interval includes the threshold after "
+        "overhead_rounds) does to the test: fail (default), skip, or warn (pass with a warning); a marker's own "
+        "overhead_inconclusive= wins (ini: torchperf_overhead_inconclusive)",
+    )
     parser.addini("torchperf_json", "write the torchperf JSON report to this path", type="string", default="")
     parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
     parser.addini("torchperf_report_only", "report broken invariants without failing tests", type="bool", default=False)
     parser.addini("torchperf_threads", "torch CPU threads per process: auto, off or a number", type="string", default="")
+    parser.addini(
+        "torchperf_overhead_inconclusive",
+        f"what an inconclusive max_overhead verdict does: {', '.join(OVERHEAD_INCONCLUSIVE)}",
+        type="string",
+        default="",
+    )
 
 
 def resolve_settings(config: pytest.Config) -> Settings:
@@ -128,7 +153,12 @@ def resolve_settings(config: pytest.Config) -> Settings:
     if json_path:
         json_path = os.path.join(str(config.invocation_params.dir), os.path.expanduser(json_path))
     threads = config.getoption("torchperf_threads") or ini("torchperf_threads", _threads_arg) or "auto"
-    return Settings(scope=scope, report_only=report_only, json_path=json_path, threads=threads)
+    inconclusive = config.getoption("torchperf_overhead_inconclusive") or ini(
+        "torchperf_overhead_inconclusive", _inconclusive_arg
+    )
+    return Settings(
+        scope=scope, report_only=report_only, json_path=json_path, threads=threads, overhead_inconclusive=inconclusive
+    )
 
 
 def _apply_threads(config: pytest.Config, settings: Settings) -> None:
@@ -194,7 +224,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _session_defaults(config: pytest.Config) -> dict[str, Any]:
     settings = config.stash[_SETTINGS]
-    return {"scope": settings.scope} if settings.scope else {}
+    defaults: dict[str, Any] = {}
+    if settings.scope:
+        defaults["scope"] = settings.scope
+    if settings.overhead_inconclusive:
+        defaults["overhead_inconclusive"] = settings.overhead_inconclusive
+    return defaults
 
 
 def _marker_options(item: pytest.Item) -> Optional[Options]:
@@ -223,11 +258,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.fail(f"pytest-torchperf: {error}", pytrace=False)
 
 
-def _verdict(config: pytest.Config, run: Run) -> None:
-    """Fail the test on a broken invariant, unless the session only reports."""
-    assert run.report is not None
-    if not run.report.passed and not config.stash[_SETTINGS].report_only:
-        raise InvariantViolation(run.report)
+def _verdict(item: pytest.Item, report: Report) -> None:
+    """Fail the test on a broken invariant (unless the session only reports); skip it or warn for an
+    inconclusive one, as ``overhead_inconclusive`` says."""
+    try:
+        settle(report, fail=not item.config.stash[_SETTINGS].report_only)
+    except Inconclusive as exc:
+        item.stash[_SKIPPED] = True
+        pytest.skip(str(exc))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -238,7 +276,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     with watching(options) as run:
         item.stash[_RUNS].append(("marker", run))
         result = yield
-    _verdict(item.config, run)
+    assert run.report is not None
+    _verdict(item, run.report)
     return result
 
 
@@ -295,6 +334,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         properties = results.junit_properties(results.merge_checks(runs))
         item.user_properties.extend(properties)  # JUnit XML writes the teardown report's properties
     exc = call.excinfo.value if call.excinfo is not None else None
+    if report.skipped and item.stash.get(_SKIPPED, False) and isinstance(report.longrepr, tuple):
+        path, lineno = item.reportinfo()[:2]  # the skip is the test's, not this plugin's line
+        report.longrepr = (os.fspath(path), (lineno or 0) + 1, report.longrepr[2])
     if isinstance(exc, InvariantViolation) and report.failed:
         verbose = (item.config.getoption("verbose", 0) or 0) > 0
         report.longrepr = TorchperfFailure(exc.report, item, verbose)
@@ -337,12 +379,21 @@ class _Recorder:
         verbose = (self.config.getoption("verbose", 0) or 0) > 0
         tr.write_sep("=", "torchperf summary")
         broken: dict[str, int] = {}
+        unsure: dict[str, int] = {}
         for test in self.tests:
             failed = [name for name, c in test["checks"].items() if c["status"] == FAILED]
+            doubtful = [name for name, c in test["checks"].items() if c["status"] == INCONCLUSIVE]
             for name in failed:
                 broken[name] = broken.get(name, 0) + 1
+            for name in doubtful:
+                unsure[name] = unsure.get(name, 0) + 1
             note = " (report only: broken invariants did not fail it)" if failed and test["report_only"] else ""
-            markup = {"red": True} if test["outcome"] == "failed" or failed else {"green": True}
+            if test["outcome"] == "failed" or failed:
+                markup = {"red": True}
+            elif doubtful or test["outcome"] == "skipped":
+                markup = {"yellow": True}
+            else:
+                markup = {"green": True}
             tr.write_line(f"{test['outcome'].upper():7} {test['nodeid']}{note}", **markup)
             for run in test["runs"]:
                 parts = []
@@ -358,6 +409,8 @@ class _Recorder:
             line += ", broken invariants: " + ", ".join(f"{name} in {n}" for name, n in broken.items())
         else:
             line += ", no broken invariant"
+        if unsure:
+            line += "; inconclusive: " + ", ".join(f"{name} in {n}" for name, n in unsure.items())
         tr.write_line(line)
         if self.settings.json_path:
             tr.write_line(f"torchperf: JSON report written to {self.settings.json_path}")
@@ -399,7 +452,8 @@ class TorchperfFixture:
                 yield run
             finally:
                 self._open.remove(run)
-        _verdict(self._item.config, run)
+        assert run.report is not None
+        _verdict(self._item, run.report)
 
     def parity(
         self,
@@ -410,24 +464,41 @@ class TorchperfFixture:
         rounds: int = OVERHEAD_ROUNDS,
         warmup: int = 1,
         names: tuple[str, str] = ("candidate", "baseline"),
+        inconclusive: Optional[str] = None,
     ) -> ParityResult:
         """Time two callables that each run one epoch; fail when ``candidate`` exceeds ``max_overhead``.
 
         The statistics are those of the ``max_overhead`` invariant (interleaved
-        rounds, warm-up dropped, median paired ratio with a 95% bootstrap
-        interval; see :func:`pytest_torchperf.parity`). The comparison is
-        recorded for the summary and the JSON report, and a ``max_overhead``
-        exceeded fails the test with the same report as the marker (unless the
-        session runs with ``--torchperf-report-only``).
+        rounds, warm-up dropped, paired ratios with a 95% interval, three
+        verdicts; see :func:`pytest_torchperf.parity`). The comparison is
+        recorded for the summary and the JSON report. A failed verdict fails
+        the test with the same report as the marker (unless the session runs
+        with ``--torchperf-report-only``); an inconclusive one does what
+        ``inconclusive`` says ("fail", "skip" or "warn"; default: the session's
+        ``--torchperf-overhead-inconclusive``, else "fail").
         """
+        if inconclusive is None:
+            inconclusive = self._item.config.stash[_SETTINGS].overhead_inconclusive or "fail"
         result = parity(
-            candidate, baseline, max_overhead=max_overhead, rounds=rounds, warmup=warmup, names=names, check=False
+            candidate,
+            baseline,
+            max_overhead=max_overhead,
+            rounds=rounds,
+            warmup=warmup,
+            names=names,
+            check=False,
+            inconclusive=inconclusive,
         )
         report = result.report()
-        options = {"max_overhead": max_overhead, "rounds": rounds, "warmup": warmup, "names": list(names)}
+        options = {
+            "max_overhead": max_overhead,
+            "rounds": rounds,
+            "warmup": warmup,
+            "names": list(names),
+            "inconclusive": inconclusive,
+        }
         self._item.stash.setdefault(_RUNS, []).append(("parity", _Comparison(report, options)))
-        if result.exceeded and not self._item.config.stash[_SETTINGS].report_only:
-            raise InvariantViolation(report)
+        _verdict(self._item, report)
         return result
 
     def __repr__(self) -> str:

@@ -7,6 +7,8 @@ can draw real separators on the terminal while scripts get plain text.
 
 from __future__ import annotations
 
+import unittest
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -16,16 +18,22 @@ __all__ = [
     "PASSED",
     "FAILED",
     "NOT_CHECKED",
+    "INCONCLUSIVE",
     "Site",
     "Finding",
     "CheckResult",
     "Report",
     "InvariantViolation",
+    "Inconclusive",
+    "InconclusiveWarning",
+    "settle",
 ]
 
 PASSED = "passed"
 FAILED = "failed"
 NOT_CHECKED = "not checked"
+#: A measured verdict that could not be confirmed either way (``max_overhead`` whose interval straddles the threshold).
+INCONCLUSIVE = "inconclusive"
 
 #: Without ``-v``, a report shows at most this many findings per invariant and sites per finding.
 MAX_FINDINGS = 5
@@ -115,6 +123,10 @@ class CheckResult:
     def failed(self) -> bool:
         return self.status == FAILED
 
+    @property
+    def inconclusive(self) -> bool:
+        return self.status == INCONCLUSIVE
+
     def render(self, verbose: bool) -> list[str]:
         lines: list[str] = []
         shown = self.findings if verbose else self.findings[:MAX_FINDINGS]
@@ -153,10 +165,18 @@ class Report:
     steps: int = 0
     #: Probe (or ``check <name>``) -> the error in torchperf's own code that made checks "not checked".
     internal_errors: dict[str, str] = field(default_factory=dict)
+    #: What an inconclusive verdict does to the run: "fail" it, "skip" it or "warn" (see :func:`settle`).
+    on_inconclusive: str = "fail"
 
     @property
     def failures(self) -> list[CheckResult]:
-        return [c for c in self.checks.values() if c.failed]
+        """Broken invariants, and inconclusive ones when they fail the run."""
+        fail_unsure = self.on_inconclusive == "fail"
+        return [c for c in self.checks.values() if c.failed or (fail_unsure and c.inconclusive)]
+
+    @property
+    def inconclusive(self) -> list[CheckResult]:
+        return [c for c in self.checks.values() if c.inconclusive]
 
     @property
     def passed(self) -> bool:
@@ -169,10 +189,23 @@ class Report:
         failures = self.failures
         if not failures:
             checked = [c.name for c in self.checks.values() if c.status == PASSED]
-            return f"torchperf: all invariants held ({', '.join(checked) or 'none checked'})"
-        parts = [f"{c.name} ({c.summary})" for c in failures]
-        noun = "invariant" if len(failures) == 1 else "invariants"
-        return f"torchperf: {len(failures)} {noun} broken: " + "; ".join(parts)
+            line = f"torchperf: all invariants held ({', '.join(checked) or 'none checked'})"
+            if self.inconclusive:
+                line += "; " + self.inconclusive_line()
+            return line
+        parts = []
+        broken = [c for c in failures if c.failed]
+        unsure = [c for c in failures if c.inconclusive]
+        if broken:
+            noun = "invariant" if len(broken) == 1 else "invariants"
+            parts.append(f"{len(broken)} {noun} broken: " + "; ".join(f"{c.name} ({c.summary})" for c in broken))
+        if unsure:
+            parts.append(self.inconclusive_line())
+        return "torchperf: " + "; ".join(parts)
+
+    def inconclusive_line(self) -> str:
+        """``inconclusive: max_overhead (+48.1% over vanilla loop (95% CI ...) straddles 50%)``."""
+        return "inconclusive: " + "; ".join(f"{c.name} ({c.summary})" for c in self.inconclusive)
 
     def blocks(self, verbose: bool = False) -> list[Block]:
         blocks = [Block(None, [self.summary_line()])]
@@ -227,6 +260,39 @@ class InvariantViolation(AssertionError):
 
     def __str__(self) -> str:
         return self.report.render()
+
+
+class Inconclusive(unittest.SkipTest):
+    """Raised when a run's only doubtful verdicts are inconclusive and they are to skip the test.
+
+    A :class:`unittest.SkipTest`, so pytest and unittest report the test as
+    skipped; ``report`` carries the verdicts.
+    """
+
+    def __init__(self, report: Report) -> None:
+        super().__init__(f"torchperf: {report.inconclusive_line()}")
+        self.report = report
+
+
+class InconclusiveWarning(UserWarning):
+    """Emitted when an inconclusive verdict is to pass with a warning."""
+
+
+def settle(report: Report, *, fail: bool = True) -> None:
+    """Act on a finished run's verdicts: raise :class:`InvariantViolation` for failures (unless ``fail`` is
+    false), else skip (:class:`Inconclusive`) or warn (:class:`InconclusiveWarning`) for inconclusive ones,
+    as ``report.on_inconclusive`` says."""
+    if not report.passed:
+        if fail:
+            raise InvariantViolation(report)
+        return
+    if not report.inconclusive:
+        return
+    if report.on_inconclusive == "skip":
+        raise Inconclusive(report)
+    if report.on_inconclusive == "warn":
+        text = f"torchperf: {report.inconclusive_line()}: passed with a warning (overhead_inconclusive='warn')"
+        warnings.warn(InconclusiveWarning(text), stacklevel=3)
 
 
 def merge_sites(sites: Sequence[Site]) -> list[Site]:

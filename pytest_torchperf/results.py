@@ -11,7 +11,7 @@ session. The schema is versioned by ``SCHEMA_VERSION``::
                       "pytorch_lightning": "2.6.6", "lightning": null, "pytest": "9.2.0",
                       "pytest_torchperf": "0.1.0", "cuda_available": false, "device": "cpu",
                       "xdist_workers": 2},
-      "summary": {"tests": 3, "failed": 1, "checks_failed": {"no_iterator_reset": 1}},
+      "summary": {"tests": 3, "failed": 1, "checks_failed": {"no_iterator_reset": 1}, "checks_inconclusive": {}},
       "tests": [
         {"nodeid": "tests/test_fit.py::test_fit", "outcome": "failed", "duration": 3.1,
          "report_only": false,
@@ -33,7 +33,7 @@ import platform
 import sys
 from typing import Any, Iterable, Optional
 
-from .report import FAILED, PASSED
+from .report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED
 
 __all__ = ["SCHEMA_VERSION", "environment", "test_entry", "document", "write", "junit_properties"]
 
@@ -87,15 +87,18 @@ def environment(extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     return env
 
 
+#: Which verdict stands for a test when its runs disagree: the first in this order.
+_STATUS_RANK = {FAILED: 0, INCONCLUSIVE: 1, PASSED: 2, NOT_CHECKED: 3}
+
+
 def merge_checks(runs: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """One verdict per invariant over a test's runs: failed if any run failed it."""
+    """One verdict per invariant over a test's runs: failed if any run failed it, else inconclusive if any
+    run could not decide it, else passed if any run checked it."""
     merged: dict[str, dict[str, Any]] = {}
     for run in runs:
         for name, check in run.get("checks", {}).items():
             current = merged.get(name)
-            if current is None or (check["status"] == FAILED and current["status"] != FAILED):
-                merged[name] = check
-            elif current["status"] != FAILED and check["status"] == PASSED:
+            if current is None or _STATUS_RANK.get(check["status"], 9) < _STATUS_RANK.get(current["status"], 9):
                 merged[name] = check
     return merged
 
@@ -115,10 +118,13 @@ def test_entry(
 
 def document(tests: list[dict[str, Any]], env: dict[str, Any]) -> dict[str, Any]:
     checks_failed: dict[str, int] = {}
+    checks_inconclusive: dict[str, int] = {}
     for test in tests:
         for name, check in test["checks"].items():
             if check["status"] == FAILED:
                 checks_failed[name] = checks_failed.get(name, 0) + 1
+            elif check["status"] == INCONCLUSIVE:
+                checks_inconclusive[name] = checks_inconclusive.get(name, 0) + 1
     return {
         "schema_version": SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -127,6 +133,7 @@ def document(tests: list[dict[str, Any]], env: dict[str, Any]) -> dict[str, Any]
             "tests": len(tests),
             "failed": sum(1 for t in tests if t["outcome"] == "failed"),
             "checks_failed": checks_failed,
+            "checks_inconclusive": checks_inconclusive,
         },
         "tests": tests,
     }

@@ -22,7 +22,7 @@ from .core import Run
 from .options import Options, parse_options
 from .patching import Patcher
 from .probes import relocate_warnings
-from .report import InvariantViolation
+from .report import settle
 
 __all__ = ["Run", "start", "stop", "watch", "watching"]
 
@@ -182,15 +182,15 @@ def watch(**kwargs: Any) -> Iterator[Run]:
     """Watch the block, then check its invariants.
 
     Takes the same keyword arguments as ``@pytest.mark.torchperf``. On a clean
-    exit a broken invariant raises :class:`InvariantViolation`; an exception
-    raised by the block itself propagates untouched. ``run.report`` holds the
-    verdicts either way.
+    exit a broken invariant raises :class:`InvariantViolation`, and an
+    inconclusive one does what ``overhead_inconclusive`` says (see
+    :func:`~pytest_torchperf.report.settle`); an exception raised by the block
+    itself propagates untouched. ``run.report`` holds the verdicts either way.
     """
     options = parse_options(kwargs, where="torchperf.watch()")
     with watching(options) as run:
         yield run
-    if not run.report.passed:  # type: ignore[union-attr]
-        raise InvariantViolation(run.report)  # type: ignore[arg-type]
+    settle(run.report)  # type: ignore[arg-type]
 
 
 def installed_probes() -> tuple[str, ...]:

@@ -66,7 +66,7 @@ def test_json_report_serial_and_under_xdist_agree(user_models: pytest.Pytester) 
     env = doc["environment"]
     assert env["torch"].startswith("2.") and env["pytest_torchperf"] and env["python"]
     assert env["cuda_available"] in (True, False) and env["device"]
-    assert doc["summary"] == {"tests": 3, "failed": 2, "checks_failed": {"no_iterator_reset": 2}}
+    assert doc["summary"] == {"tests": 3, "failed": 2, "checks_failed": {"no_iterator_reset": 2}, "checks_inconclusive": {}}
     by_id = {t["nodeid"]: t for t in doc["tests"]}
     respawn = by_id["test_suite.py::test_marker_respawns"]
     assert respawn["outcome"] == "failed" and respawn["report_only"] is False

@@ -1,17 +1,17 @@
 """Invariant ``max_overhead``: a Lightning fit's epoch time within N% of the vanilla loop derived from its module.
 
 The check itself (the replay of the observed fit, the vanilla loop, the
-statistics and where the extra time went) lives in
-:mod:`pytest_torchperf.checks.overhead`; this module declares the invariant.
+statistics and where the extra time went) lives in :mod:`pytest_torchperf.overhead`
+and :mod:`pytest_torchperf.timing`; this module declares the invariant.
 It needs no probe beyond the Lightning observer every run has: it reads the
 observed ``Trainer.fit`` calls and replays them after the test body, unwatched.
 """
 
 from __future__ import annotations
 
-from ..arguments import Argument, Integer, Number
-from ..checks.overhead import OverheadCheck
-from ..options import OVERHEAD_MAX_ROUNDS, OVERHEAD_MIN_ROUNDS, OVERHEAD_ROUNDS
+from ..arguments import Argument, Choice, Integer, Number
+from ..options import OVERHEAD_INCONCLUSIVE, OVERHEAD_MAX_ROUNDS, OVERHEAD_MIN_ROUNDS, OVERHEAD_ROUNDS
+from ..overhead.check import OverheadCheck
 from ..registry import Invariant
 
 NAME = "max_overhead"
@@ -30,6 +30,13 @@ INVARIANT = Invariant(
             "time at most this many rounds (one fit epoch and one vanilla epoch each, "
             f"after a warm-up); it stops after {OVERHEAD_MIN_ROUNDS} once the 95% interval is clear of the threshold",
             meaning="timed rounds of max_overhead",
+        ),
+        Argument(
+            "overhead_inconclusive",
+            Choice(OVERHEAD_INCONCLUSIVE),
+            "fail",
+            "what an interval that still straddles the threshold after overhead_rounds does: 'fail' the test, "
+            "'skip' it, or 'warn' (pass with a warning) (command line: --torchperf-overhead-inconclusive)",
         ),
     ),
 )

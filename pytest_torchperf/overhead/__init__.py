@@ -1,0 +1,43 @@
+"""Invariant ``max_overhead``: a Lightning fit's epoch time within N% of the vanilla loop derived from its module.
+
+When an observed ``Trainer.fit`` starts, the check deep-copies the module
+(its initial weights) and remembers how the Trainer was built and how ``fit``
+was called. After the run, in ``result()`` (no torchperf probe is installed
+any more), it replays the fit once with a Trainer built from the same
+arguments and, at that fit's epoch boundaries, runs epochs of the vanilla
+loop (:class:`~pytest_torchperf.timing.VanillaLoop`) on a second copy of the
+module. Lightning epochs (L) and vanilla epochs (V) thus alternate in one
+process, on the same device, data, thread count and global torch flags::
+
+    L0 (warm-up, profiled) | Vwarm V1 | L1 | L2 | V2 V3 | L3 | L4 | V4 V5 | L5 ...
+
+Round r pairs L_r with the adjacent V_r (V first in odd rounds, L first in
+even ones). A Lightning epoch is timed from the end of one
+``on_train_epoch_start`` boundary to the start of the next, so every per-epoch
+cost Lightning has is inside it; vanilla epochs run outside that window.
+Both sides are timed by :class:`~pytest_torchperf.timing.Stopwatch`: CUDA
+events on a GPU; on a CPU, with one torch thread on both sides, wall time
+less the thread's waits for a CPU. Rounds stop as
+:class:`~pytest_torchperf.timing.Rounds` decides; the verdict comes from the
+95% interval of the overhead (paired ratios balanced over their order):
+passed below ``max_overhead``, failed above, inconclusive when it still
+straddles it after ``overhead_rounds``.
+
+Modules: :mod:`.check` (the verdict), :mod:`.replay` (what the fit leaves to
+replay, and the replay), :mod:`.attribution` (where the extra time went).
+
+The replay differs from the user's fit only where timing needs it, and the
+report says so: no validation and no sanity check (``limit_val_batches=0``,
+``num_sanity_val_steps=0``: the vanilla loop has no validation either), no
+checkpointing (``enable_checkpointing=False``; ModelCheckpoint and
+EarlyStopping removed), no model summary, files under a temporary directory,
+and torchperf's profiler. Where the extra time went comes from Lightning's own
+profiler actions (``[Callback]X.on_train_batch_end``, ...) recorded during the
+untimed warm-up epoch.
+"""
+
+from __future__ import annotations
+
+from .check import NAME, OverheadCheck
+
+__all__ = ["NAME", "OverheadCheck"]
