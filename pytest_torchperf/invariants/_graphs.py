@@ -261,7 +261,6 @@ def scan(
     storages_of: dict[int, dict[tuple, int]] = {}
     keep: list[Any] = []
     name_cache: dict[type, tuple[str, ...]] = {}
-    traces_by_name: dict[str, Stack] = {}
     visited_total = 0
     with torch._C.DisableTorchFunctionSubclass():
         for t in tensors:
@@ -271,6 +270,7 @@ def scan(
             steps: set[int] = set()
             old: set[int] = set()
             storages: dict[tuple, int] = {}
+            traces: dict[str, Stack] = {}  # node name -> creation stack, for nodes of the traced step
             stack = [root]
             seen: set[int] = set()
             while stack:
@@ -296,12 +296,10 @@ def scan(
                         names = _saved_names(type(node), name_cache)
                         found = storages_of[ident] = _saved_storages(node, names, skip_storages, result.saved_ids)
                     storages.update(found)
-                if traced_step is not None and step == traced_step:
-                    name = node.name()
-                    if name not in traces_by_name:
-                        trace = _trace_of(node)
-                        if trace is not None:
-                            traces_by_name[name] = trace
+                if step == traced_step and (node is root or node.name() == root.name()):
+                    trace = _trace_of(node)
+                    if trace is not None:
+                        traces.setdefault("root" if node is root else "same", trace)
                 for child, _ in node.next_functions:
                     if child is not None:
                         stack.append(child)
@@ -311,11 +309,14 @@ def scan(
                 data = t.untyped_storage().nbytes()
             except Exception:  # noqa: BLE001
                 data = 0
-            result.retained.append(Retained(t, date(root._sequence_nr()), steps, old, storages, data, root.name()))
+            # Where it was built: its own node, if built in the traced step; else, in a graph spanning steps, the
+            # traced step's node of the same operation (the running sum's addition of that step).
+            trace = traces.get("root", traces.get("same"))
+            result.retained.append(
+                Retained(t, date(root._sequence_nr()), steps, old, storages, data, root.name(), trace)
+            )
             if result.truncated:
                 break
-    for item in result.retained:
-        item.trace = traces_by_name.get(item.node_name)
     result.nodes_visited = visited_total
     result.seconds = time.perf_counter() - begin
     del keep, tensors
@@ -351,6 +352,7 @@ def frame_locals(skip: set[int]) -> tuple[dict[int, tuple[str, str]], set[int]]:
     the invariant, and only for the user's own functions.
     """
     out: dict[int, tuple[str, str]] = {}
+    borrowed: dict[int, tuple[str, str]] = {}  # a closure's free variables: named after their owner if it is on the stack
     dicts: set[int] = set()
     frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
@@ -365,9 +367,12 @@ def frame_locals(skip: set[int]) -> tuple[dict[int, tuple[str, str]], set[int]]:
                 variables = []
             for name, value in variables:
                 if id(value) not in skip:
-                    out.setdefault(id(value), (name, code.co_name))
+                    target = borrowed if name in code.co_freevars else out
+                    target.setdefault(id(value), (name, code.co_name))
             del variables
         frame = frame.f_back
+    for ident, where in borrowed.items():
+        out.setdefault(ident, where)
     return out, dicts
 
 

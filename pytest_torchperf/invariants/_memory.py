@@ -3,8 +3,11 @@
 At the end of each training step, ``torch.cuda.memory_allocated()`` of the
 current device (read from the allocator's statistics without flattening them
 into the dict ``memory_stats`` builds). Only on a process where CUDA is
-already initialised: reading never initialises it. The read is skipped while
-reads would cost more than :data:`BUDGET` of the time between them.
+already initialised: reading never initialises it. With a ``budget`` (the
+figure ``no_graph_retention`` reports), the boundaries after the first
+``WARMUP_STEPS + 3`` steps are only read while reads cost less than that share
+of the time between them; without one (``max_memory_growth``), every boundary
+is read.
 
 On CPU there is no such counter: torch's CPU allocator keeps no statistics,
 and the process's resident memory is not one (glibc keeps freed blocks and
@@ -20,8 +23,6 @@ from typing import Any, Callable, Optional
 
 __all__ = ["Growth", "MemoryTrace", "WARMUP_STEPS", "format_bytes"]
 
-#: The share of the run's time the reads may take.
-BUDGET = 0.005
 #: Steps whose boundaries are not judged: the first optimizer steps allocate state (Adam's moments) and gradients.
 WARMUP_STEPS = 2
 
@@ -94,7 +95,9 @@ class Growth:
 class MemoryTrace:
     """Allocated CUDA bytes at the end of each step (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: Optional[float] = None) -> None:
+        #: The share of the run's time reads may take after the first boundaries (None: read every one).
+        self.budget = budget
         #: ``(step, allocated bytes)`` at the end of each step read.
         self.samples: list[tuple[int, int]] = []
         self._read: Optional[Callable[[], int]] = None
@@ -105,7 +108,7 @@ class MemoryTrace:
     def sample(self, step: int) -> None:
         """Read the allocated bytes at the end of ``step`` (when CUDA is in use and a read is due)."""
         now = time.perf_counter()
-        if now < self._next_due:
+        if now < self._next_due and step > WARMUP_STEPS + 3:
             self.skipped += 1
             return
         read = self._read
@@ -118,7 +121,8 @@ class MemoryTrace:
         end = time.perf_counter()
         self.reads += 1
         self.samples.append((step, value))
-        self._next_due = end + (end - now) / BUDGET
+        if self.budget is not None:
+            self._next_due = end + (end - now) / self.budget
 
     @property
     def measured(self) -> bool:
