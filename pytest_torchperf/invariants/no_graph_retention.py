@@ -15,23 +15,24 @@ How it is seen (:mod:`pytest_torchperf.invariants._graphs`):
    to the step that built it.
 2. **Tagging, sampled.** The probe :mod:`pytest_torchperf.probes.graphs` hands
    over a sample of the backward passes before they run (the first one, then
-   at a cadence that keeps this work near 1% of the run's time). The check
+   at a cadence that keeps this work near 0.5% of the run's time). The check
    walks the graph from its roots and puts one *sentinel* object in the
    ``metadata`` of every node built since its step started; a node's metadata
    dies with the node, so the sentinel is alive exactly while some node of
    that step is.
-3. **Judging, every step.** At the end of each step (a Lightning
-   ``training_step``, a ``run.step()`` block), after each Lightning fit and at
-   the end of the run, a sentinel of a step that ended before the current one,
-   and whose optimizer step has run, must be gone. The current step is never
-   judged: a plain loop's locals (``loss``, ``out``) hold it until the next
-   step rebinds them, and Lightning holds its loss and outputs until the
-   batch ends.
-4. **Diagnosis, only once something survived.** The next step is run under
-   a *creation trace* (torch's anomaly mode without NaN checks: every node
-   built keeps the Python stack that built it). Then, at the end of the step
-   after it, and again at doubling step counts, after each fit and at the end
-   of the run, the check *scans*: every tensor alive in the process that carries
+3. **Judging, every step.** When a step starts (a Lightning ``training_step``,
+   a ``run.step()`` block), the sentinels of the steps before the previous one
+   (whose optimizer step has run) must be gone; after each Lightning fit and
+   at the end of the run, those of every step but the last. The previous step
+   is not judged yet: a plain loop's locals (``loss``, ``out``) hold it until
+   this step rebinds them, and Lightning holds a step's loss and outputs until
+   its batch ends. So a graph is a finding once a whole step has run after
+   the one that built it.
+4. **Diagnosis, only once something survived.** The step that starts then is
+   run under a *creation trace* (torch's anomaly mode without NaN checks:
+   every node built keeps the Python stack that built it). Two steps later,
+   again at doubling step counts, after each fit and at the end of the run,
+   the check *scans*: every tensor alive in the process that carries
    a graph (the garbage collector's list of objects), the steps its graph
    spans, the saved activations its old nodes still hold, and what holds it
    (:func:`gc.get_referrers` up to an object attribute, a module global, a
@@ -205,27 +206,23 @@ class GraphRetentionCheck(Check):
 
     # -- events -------------------------------------------------------------------------
     def on_step_start(self) -> None:
-        seq = self._sequence()
-        step = self.run.steps
-        while len(self.starts) < step - 1:  # a step whose start this check missed: dated from the next one
-            self.starts.append(seq)
-        self.starts.append(seq)
-        if self.trace_step is not None and step >= self.trace_step and self.traced_step is None:
-            if GRAPHS.trace_creations():
-                self.traced_step = step
+        # The hot path: one sequence number per step; the rest only while something is pending.
+        self.starts.append(self._sequence())
+        if self.pending or self.first_seen is not None or self.memory is not None:
+            self._step_started(len(self.starts))
 
-    def on_step_end(self) -> None:
-        step = self.run.steps
-        if self.traced_step == step and GRAPHS.tracing:
+    def _step_started(self, step: int) -> None:
+        if self.traced_step is not None and self.traced_step < step and GRAPHS.tracing:
             GRAPHS.stop_tracing()
         if self.memory is not None:
-            self.memory.sample(step)
-        if self.pending or self.first_seen is not None:
-            self._judge(step, final=False)
+            self.memory.sample(step - 1)  # allocated memory at the boundary after step - 1
+        self._judge(step - 2, scan_at=step - 1)
+        if self.trace_step is not None and self.traced_step is None and GRAPHS.trace_creations():
+            self.traced_step = step
 
     def on_backward_sample(self, roots: tuple[Any, ...]) -> None:
-        step = self.run.steps
-        if not step or len(self.starts) < step:
+        step = len(self.starts)
+        if not step:
             return  # a backward pass before the first step: not a step's graph
         last = self.pending[-1] if self.pending else None
         sentinel = last.ref() if last is not None and last.step == step else None
@@ -240,19 +237,26 @@ class GraphRetentionCheck(Check):
 
     def on_trainer_call_end(self, kind: str, trainer: Any, model: Any) -> None:
         if kind == "fit":
-            self._judge(self.run.steps, final=True)
+            steps = len(self.starts)
+            self._judge(steps - 1, scan_at=steps, final=True)
 
     def on_run_end(self) -> None:
         if GRAPHS.tracing:
             GRAPHS.stop_tracing()
-        self._judge(self.run.steps, final=True)
+        steps = len(self.starts)
+        self._judge(steps - 1, scan_at=steps, final=True)
         self.backward_passes = GRAPHS.calls
         self.sampled_passes = GRAPHS.samples
         self.sample_seconds = GRAPHS.sample_seconds
 
     # -- judging ------------------------------------------------------------------------
-    def _judge(self, step: int, final: bool) -> None:
-        """Look for sentinels of steps before ``step`` whose optimizer step ran; scan when one is due."""
+    def _judge(self, newest: int, scan_at: int, final: bool = False) -> None:
+        """Look for sentinels of steps up to ``newest`` whose optimizer step ran; scan when one is due.
+
+        Called when a step starts (``newest``: two steps back, the previous one may still be held by the
+        loop's locals), after a fit and at the end of the run (``newest``: the step before the last one).
+        ``scan_at``: a scan then counts nodes of steps before this one as old.
+        """
         alive = []
         optimizer_steps = GRAPHS.optimizer_steps
         for tagged in self.pending:
@@ -261,24 +265,25 @@ class GraphRetentionCheck(Check):
                 self.judged_steps += stepped
                 continue
             alive.append(tagged)
-            if tagged.step < step and stepped:
+            if tagged.step <= newest and stepped:
                 if tagged.step not in self.survived:
                     self.judged_steps += 1
-                self.survived[tagged.step] = step
+                self.survived[tagged.step] = newest + 1
                 if self.first_seen is None:
-                    self.first_seen = (tagged.step, step)
-                    self.trace_step = step + 1
-                    self.next_scan = step + 2
+                    self.first_seen = (tagged.step, newest + 1)
+                    self.trace_step = newest + 2
+                    self.next_scan = newest + 4
         self.pending = alive
         if self.first_seen is None:
             return
         # Scanned on the way too, at doubling step counts: by the end of the run (or of the fit) what was held
         # may be gone (a plain loop's locals under the marker, a list cleared at each epoch's end).
+        step = newest + 2
         due = self.next_scan is not None and step >= self.next_scan and self.scans < MAX_SCANS
-        if final and self.diagnosis is not None and self.diagnosis.at_step == step:
+        if final and self.diagnosis is not None and self.diagnosis.at_step == scan_at:
             return  # the fit's end just scanned this step
         if final or due:
-            self._scan(step)
+            self._scan(scan_at)
             if due:
                 self.next_scan = step * 2
 
@@ -401,8 +406,8 @@ class GraphRetentionCheck(Check):
         assert self.first_seen is not None
         tagged, seen = self.first_seen
         first_fact = (
-            f"first seen at the end of step {seen}: the graph built in step {tagged} was still alive after "
-            "its optimizer step had run and the next step had ended"
+            f"first seen after step {seen} ended: the graph built in step {tagged} was still alive after "
+            f"its optimizer step had run and step {tagged + 1} had ended"
         )
         diagnosis = self.diagnosis
         if diagnosis is None or not diagnosis.groups:
@@ -425,7 +430,7 @@ class GraphRetentionCheck(Check):
             facts.append(f"built by: {names}")
             if not group.user:
                 facts.append("the holder is an object of torch or the framework")
-            facts.append(f"seen at the end of step {diagnosis.at_step}; " + first_fact)
+            facts.append(f"counted when step {diagnosis.at_step} had run; " + first_fact)
             sites = []
             if group.trace:
                 sites.append(Site("retained tensor created", group.trace))

@@ -11,7 +11,7 @@ Sampling keeps the cost bounded whatever the graph's size: the first backward
 pass of a run is sampled, then the next sampled one is the first to come after
 ``cost / BUDGET`` seconds, ``cost`` being what the last sampled one cost the
 checks (they walk the graph). The checks' work is thus at most about
-``BUDGET`` (1%) of the run's time, whether a step takes 200 us or 2 s; the
+``BUDGET`` (0.5%) of the run's time, whether a step takes 200 us or 2 s; the
 unsampled calls pay a clock read and a comparison. Passes started by the
 autograd engine itself (reentrant checkpointing) are never sampled.
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["GraphsProbe", "PROBE", "roots_of"]
 
 #: The share of the run's time the sampled graph walks may take.
-BUDGET = 0.01
+BUDGET = 0.005
 
 
 def roots_of(outputs: Any) -> tuple[Any, ...]:
@@ -105,11 +105,9 @@ class GraphsProbe(Probe):
         clock = time.perf_counter
         current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
-        def sample(outputs: Any) -> None:
-            """Count the pass; when one is due, hand its roots to the checks and time what they did."""
-            probe.calls += 1
-            start = clock()
-            if start < probe.next_due or current_node() is not None:
+        def sample(outputs: Any, start: float) -> None:
+            """A pass is due: hand its roots to the checks and time what they did."""
+            if current_node() is not None:
                 return
             if not core.handlers("on_backward_sample"):
                 return
@@ -129,9 +127,12 @@ class GraphsProbe(Probe):
                 # is_compiling() first: a traced wrapper must not read (and guard on) torchperf's state.
                 if not is_compiling() and flags.active:
                     try:
+                        probe.calls += 1
                         if probe._unhook:
                             probe._remove_hook()
-                        sample(outputs)
+                        start = clock()
+                        if start >= probe.next_due:
+                            sample(outputs, start)
                     except Exception as exc:  # noqa: BLE001 - never into the user's code
                         probe.failed(exc)
                 return original(outputs, *args, **kwargs)
