@@ -247,7 +247,7 @@ def test_growth_counts_graph_nodes_and_the_saved_activations_a_leak_keeps(loops:
     assert appended.findings[0].facts[0] == (
         "growth per step: 1 tensor, 6 graph nodes, no saved activations (backward already freed them)"
     )
-    assert "hint: append .detach()ed tensors to this list" in "\n".join(appended.render(False))
+    assert "hint: put .detach()ed tensors in this list" in "\n".join(appended.render(False))
     aux = check_of(module.auxiliary_output, STEPS)
     # aux(h) was never part of a backward pass: its addmm still saves h (4 x 16 floats) each step.
     assert aux.figures["retained_saved_bytes_per_step"] == 4 * 16 * 4
@@ -643,7 +643,7 @@ def test_the_marker_fails_a_leaking_fit_and_reports_figures(user_models: pytest.
             "KeepsLosses.losses: list of 11 tensors with autograd graphs, one per step (steps 1-11)",
             "  growth per step: 1 tensor, * graph nodes, no saved activations (backward already freed them)",
             "*retained tensor created at torchperf_models.py:* in training_step *",
-            "  hint: append .detach()ed tensors to this list*",
+            "  hint: put .detach()ed tensors in this list*",
             "PASSED  test_suite.py::test_fit_clean",
             "*no_graph_retention: passed (no autograd graph outlived its step (12 steps*",
         ],

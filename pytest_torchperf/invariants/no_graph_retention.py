@@ -187,7 +187,8 @@ class GraphRetentionCheck(Check):
         self.tagged_steps = 0
         self.nodes_tagged = 0
         #: Tagged steps judged after their optimizer step had run (their graph gone or not).
-        self.judged_steps = 0
+        self.judged: set[int] = set()
+        self._last_scan_at = -1
         #: Tagged step -> the last step at whose end its graph was still alive.
         self.survived: dict[int, int] = {}
         #: (tagged step, the step at whose end it was first seen alive).
@@ -262,12 +263,12 @@ class GraphRetentionCheck(Check):
         for tagged in self.pending:
             stepped = optimizer_steps > tagged.optimizer_steps
             if tagged.ref() is None:
-                self.judged_steps += stepped
+                if stepped:
+                    self.judged.add(tagged.step)
                 continue
             alive.append(tagged)
             if tagged.step <= newest and stepped:
-                if tagged.step not in self.survived:
-                    self.judged_steps += 1
+                self.judged.add(tagged.step)
                 self.survived[tagged.step] = newest + 1
                 if self.first_seen is None:
                     self.first_seen = (tagged.step, newest + 1)
@@ -280,7 +281,7 @@ class GraphRetentionCheck(Check):
         # may be gone (a plain loop's locals under the marker, a list cleared at each epoch's end).
         step = newest + 2
         due = self.next_scan is not None and step >= self.next_scan and self.scans < MAX_SCANS
-        if final and self.diagnosis is not None and self.diagnosis.at_step == scan_at:
+        if final and self._last_scan_at == scan_at:
             return  # the fit's end just scanned this step
         if final or due:
             self._scan(scan_at)
@@ -288,6 +289,7 @@ class GraphRetentionCheck(Check):
                 self.next_scan = step * 2
 
     def _scan(self, step: int) -> None:
+        self._last_scan_at = step
         skip_storages: set[int] = set()
         for optimizer in list(GRAPHS.optimizers):
             for p in parameters(optimizer):
@@ -373,7 +375,7 @@ class GraphRetentionCheck(Check):
                 return CheckResult(
                     NAME, NOT_CHECKED, f"no backward pass in the {plural(steps, 'step')} seen", 0, [], figures
                 )
-            if not self.judged_steps:
+            if not self.judged:
                 return CheckResult(
                     NAME,
                     NOT_CHECKED,
@@ -448,7 +450,7 @@ class GraphRetentionCheck(Check):
         figures: dict[str, Any] = {
             "steps": self.run.steps,
             "steps_tracked": self.tagged_steps,
-            "steps_judged": self.judged_steps,
+            "steps_judged": len(self.judged),
             "graph_nodes_tagged": self.nodes_tagged,
             "backward_passes": self.backward_passes,
             "backward_passes_sampled": self.sampled_passes,
@@ -482,8 +484,8 @@ class GraphRetentionCheck(Check):
 
 
 _HINT = (
-    "keep values, not graphs: store loss.detach() (or loss.item() outside the hot path: it waits for the "
-    "device), or accumulate in a torchmetrics metric (MeanMetric, or the metric itself), which detaches."
+    "keep values, not graphs: loss.detach() (loss.item() outside the hot path: it waits for the device), or a "
+    "torchmetrics metric (MeanMetric, or the metric itself), which detaches what it accumulates."
 )
 
 
@@ -497,12 +499,12 @@ def _hint(group: Group) -> str:
     if group.saved_bytes:
         return (
             "these tensors were never part of a backward pass, so their graphs still hold every activation they "
-            "saved: compute outputs you only look at under torch.no_grad(), or keep out.detach(); " + _HINT
+            "saved: compute outputs you only look at under torch.no_grad(), or keep out.detach()."
         )
     if group.container:
         return (
-            f"append .detach()ed tensors to this {group.container} (outputs.append(preds.detach())), or update a "
-            "torchmetrics metric each step instead of collecting outputs for the epoch end; " + _HINT
+            f"put .detach()ed tensors in this {group.container} (outputs.append(preds.detach())), or update a "
+            "torchmetrics metric each step instead of collecting tensors for the epoch's end (it detaches)."
         )
     return _HINT
 
