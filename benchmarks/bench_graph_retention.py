@@ -21,7 +21,7 @@ backward pass of a run is always walked, a per-run cost, not a per-step one.
 
 Also reported, from one extra watched block of ``--reps`` x the block's steps: the
 share of backward passes the adaptive cadence walked and the time those walks
-took, as a fraction of the block (the probe's budget is 1%).
+took, as a fraction of the block (the probe's budget is 0.5%).
 
     python benchmarks/bench_graph_retention.py [--rounds 21] [--reps 5] [--workload all]
 

@@ -104,6 +104,7 @@ class GraphsProbe(Probe):
         is_compiling = is_compiling_function()
         clock = time.perf_counter
         current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+        no_subclass_code = torch._C.DisableTorchFunctionSubclass
 
         def sample(outputs: Any, start: float) -> None:
             """A pass is due: hand its roots to the checks and time what they did."""
@@ -111,7 +112,8 @@ class GraphsProbe(Probe):
                 return
             if not core.handlers("on_backward_sample"):
                 return
-            roots = roots_of(outputs)
+            with no_subclass_code():  # read grad_fn without running a tensor subclass's __torch_function__
+                roots = roots_of(outputs)
             if not roots:
                 return
             core.notify("on_backward_sample", roots)
