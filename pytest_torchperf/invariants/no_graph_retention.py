@@ -189,9 +189,9 @@ class GraphRetentionCheck(Check):
         #: Tagged steps judged after their optimizer step had run (their graph gone or not).
         self.judged: set[int] = set()
         self._last_scan_at = -1
-        #: Tagged step -> the last step at whose end its graph was still alive.
+        #: Tagged step -> the newest ended step after which its graph was still seen alive.
         self.survived: dict[int, int] = {}
-        #: (tagged step, the step at whose end it was first seen alive).
+        #: (tagged step, the newest ended step when its graph was first seen alive).
         self.first_seen: Optional[tuple[int, int]] = None
         self.trace_step: Optional[int] = None
         self.traced_step: Optional[int] = None
