@@ -89,6 +89,8 @@ class GraphsProbe(Probe):
         self._armed = False
         self._hook: Any = None
         self._unhook = False
+        self._current_node: Callable[[], Any] = lambda: None
+        self._no_subclass_code: Any = None
 
     def install(self, patcher: "Patcher") -> None:
         """Wrap the backward entry point; undone by ``patcher``."""
@@ -103,24 +105,8 @@ class GraphsProbe(Probe):
         probe = self
         is_compiling = is_compiling_function()
         clock = time.perf_counter
-        current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-        no_subclass_code = torch._C.DisableTorchFunctionSubclass
-
-        def sample(outputs: Any, start: float) -> None:
-            """A pass is due: hand its roots to the checks and time what they did."""
-            if current_node() is not None:
-                return
-            if not core.handlers("on_backward_sample"):
-                return
-            with no_subclass_code():  # read grad_fn without running a tensor subclass's __torch_function__
-                roots = roots_of(outputs)
-            if not roots:
-                return
-            core.notify("on_backward_sample", roots)
-            end = clock()
-            probe.samples += 1
-            probe.sample_seconds += end - start
-            probe.next_due = end + (end - start) / BUDGET
+        self._current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+        self._no_subclass_code = torch._C.DisableTorchFunctionSubclass
 
         def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(original)
@@ -134,7 +120,7 @@ class GraphsProbe(Probe):
                             probe._remove_hook()
                         start = clock()
                         if start >= probe.next_due:
-                            sample(outputs, start)
+                            probe.sample(outputs, start)
                     except Exception as exc:  # noqa: BLE001 - never into the user's code
                         probe.failed(exc)
                 return original(outputs, *args, **kwargs)
@@ -146,6 +132,22 @@ class GraphsProbe(Probe):
         else:  # pragma: no cover - torch < 2.3
             patcher.wrap(torch.autograd, "backward", wrap)
             patcher.wrap(torch.autograd, "grad", wrap)
+
+    def sample(self, outputs: Any, start: float) -> None:
+        """A pass is due (``start``: the clock when it was called): hand its roots to the checks, time them."""
+        if self._current_node() is not None:
+            return  # started by the autograd engine itself (reentrant checkpointing)
+        if not core.handlers("on_backward_sample"):
+            return
+        with self._no_subclass_code():  # read grad_fn without running a tensor subclass's __torch_function__
+            roots = roots_of(outputs)
+        if not roots:
+            return
+        core.notify("on_backward_sample", roots)
+        end = time.perf_counter()
+        self.samples += 1
+        self.sample_seconds += end - start
+        self.next_due = end + (end - start) / BUDGET
 
     # -- optimizer steps -----------------------------------------------------------------
     def await_optimizer_step(self) -> None:
