@@ -41,6 +41,7 @@ EVENTS: dict[str, str] = {
     "on_optimizer_step": "(optimizer): an optimizer stepped (after its step)",
     "on_sync": "(event): an operation that synchronises the host with the device, inside the scope",
     "on_move": "(event): a host-built tensor (or, on an accelerator, any host tensor) moved to a device",
+    "on_backward_sample": "(roots): a sampled backward pass is about to run from these graph nodes (probe graphs)",
     "on_run_end": "(): the run stops, its probes still installed (read probe state here, not in result())",
 }
 

@@ -73,6 +73,8 @@ BUILTIN = (
     "grads_set_to_none",
     "no_recompiles",
     "mixed_precision",
+    "no_graph_retention",
+    "max_memory_growth",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.

@@ -67,7 +67,9 @@ def test_a_third_party_invariant_is_in_the_marker_signature_and_under_xdist(
     markers = subprocess.run([sys.executable, "-m", "pytest", "--markers"], capture_output=True, text=True,
                              cwd=tmp_path, env=acme, timeout=120)
     signature = next(line for line in markers.stdout.splitlines() if line.startswith("@pytest.mark.torchperf("))
-    assert "mixed_precision=False, no_host_to_device_in_forward=False, scope='training_step'" in signature
+    # after every built-in invariant, before the settings
+    assert "no_host_to_device_in_forward=False, scope='training_step'" in signature
+    assert signature.index("mixed_precision=False") < signature.index("no_host_to_device_in_forward")
     assert signature.split("): ")[0].endswith("max_forward_copies=None")
     report = tmp_path / "report.json"
     done = run_examples(EXAMPLES / "custom_invariant" / "tests", "-n", "2", f"--torchperf-json={report}", env=acme)

@@ -292,8 +292,8 @@ def _watched(fn: Callable[[Any], torch.Tensor], **kwargs: Any) -> tuple[torch.Te
 
 
 def _probe_cases() -> list[Any]:
-    from pytest_torchperf.probes import autocast, cuda_cache, data_parallel, grads, iterators, loaders, optimizers
-    from pytest_torchperf.probes import syncs, tensors
+    from pytest_torchperf.probes import autocast, cuda_cache, data_parallel, grads, graphs, iterators, loaders
+    from pytest_torchperf.probes import optimizers, syncs, tensors
 
     return [
         pytest.param("tensors", tensors.TensorsProbe, "born", {"on_device": True}, id="tensors"),
@@ -306,6 +306,7 @@ def _probe_cases() -> list[Any]:
         pytest.param("cuda_cache", cuda_cache.CudaCacheProbe, "called", {"no_empty_cache": True}, id="cuda_cache"),
         pytest.param("data_parallel", data_parallel.DataParallelProbe, "forwarded", {"no_data_parallel": True},
                      id="data_parallel"),
+        pytest.param("graphs", graphs.GraphsProbe, "sample", {"no_graph_retention": True}, id="graphs"),
     ]
 
 

@@ -1,0 +1,220 @@
+"""Probe ``graphs``: a sample of the backward passes, with the autograd graphs they are about to traverse.
+
+Every ``loss.backward()`` and ``torch.autograd.grad(...)`` reaches torch's
+``torch.autograd._engine_run_backward`` (on torch < 2.3, without it:
+``torch.autograd.backward`` and ``torch.autograd.grad``), which is wrapped. A
+*sampled* call sends ``on_backward_sample(roots)`` to the checks of the active
+runs, ``roots`` being the graph nodes (``grad_fn``) the pass starts from, before
+torch runs it: the whole graph is still there, saved tensors included.
+
+Sampling keeps the cost bounded whatever the graph's size: the first backward
+pass of a run is sampled, then the next sampled one is the first to come after
+``cost / BUDGET`` seconds, ``cost`` being what the last sampled one cost the
+checks (they walk the graph). The checks' work is thus at most about
+``BUDGET`` (0.5%) of the run's time, whether a step takes 200 us or 2 s; the
+unsampled calls pay a clock read and a comparison. Passes started by the
+autograd engine itself (reentrant checkpointing) are never sampled.
+
+It also counts optimizer steps, cheaply: :meth:`GraphsProbe.await_optimizer_step`
+arms a one-shot global optimizer step post-hook (registered when armed,
+removed at the next backward pass after it fired), so a check that tagged a
+step's graph learns when that step's optimizer step has run without every
+optimizer step paying for a hook.
+
+The probe also lends the check a *creation trace* for one training step
+(:meth:`GraphsProbe.trace_creations`): torch's anomaly mode without its NaN
+checks, which makes torch store the Python stack of every graph node built
+meanwhile in the node's ``metadata["traceback_"]``. It changes no value and
+no result; it is only switched on once a run has already broken the
+invariant, to name the line that built what is retained.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from .. import core
+from ..core import FLAGS
+from . import Probe, is_compiling_function
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+
+__all__ = ["GraphsProbe", "PROBE", "roots_of"]
+
+#: The share of the run's time the sampled graph walks may take.
+BUDGET = 0.005
+
+
+def roots_of(outputs: Any) -> tuple[Any, ...]:
+    """The graph nodes a backward pass over ``outputs`` (tensors or GradientEdges) starts from."""
+    if not isinstance(outputs, (list, tuple)):
+        outputs = (outputs,)
+    roots = []
+    for out in outputs:
+        node = getattr(out, "grad_fn", None)
+        if node is None:
+            node = getattr(out, "node", None)  # a GradientEdge
+        if node is not None:
+            roots.append(node)
+    return tuple(roots)
+
+
+class GraphsProbe(Probe):
+    """The wrapped backward entry point (see the module's docstring)."""
+
+    name = "graphs"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        #: Backward passes seen while a run was active, and how many of them were sampled.
+        self.calls = 0
+        self.samples = 0
+        #: Seconds the checks spent on the sampled passes.
+        self.sample_seconds = 0.0
+        #: The clock value from which the next backward pass is sampled.
+        self.next_due = 0.0
+        #: Anomaly mode switched on by :meth:`trace_creations`: ``(enabled, check_nan)`` to restore.
+        self._restore: Optional[tuple[bool, bool]] = None
+        #: Optimizer steps counted by the one-shot hook (see :meth:`await_optimizer_step`), and the optimizers seen.
+        self.optimizer_steps = 0
+        self.optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._armed = False
+        self._hook: Any = None
+        self._unhook = False
+        self._current_node: Callable[[], Any] = lambda: None
+        self._no_subclass_code: Any = None
+
+    def install(self, patcher: "Patcher") -> None:
+        """Wrap the backward entry point; undone by ``patcher``."""
+        import torch
+        import torch.autograd
+
+        self.reset()
+        patcher.callback(self.reset)
+        patcher.callback(self._remove_hook)
+        patcher.callback(self.stop_tracing)  # undone first: anomaly mode back before the state is cleared
+        flags = FLAGS
+        probe = self
+        is_compiling = is_compiling_function()
+        clock = time.perf_counter
+        self._current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+        self._no_subclass_code = torch._C.DisableTorchFunctionSubclass
+
+        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def run_backward(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                # is_compiling() first: a traced wrapper must not read (and guard on) torchperf's state.
+                if not is_compiling() and flags.active:
+                    try:
+                        probe.calls += 1
+                        if probe._unhook:
+                            probe._remove_hook()
+                        start = clock()
+                        if start >= probe.next_due:
+                            probe.sample(outputs, start)
+                    except Exception as exc:  # noqa: BLE001 - never into the user's code
+                        probe.failed(exc)
+                return original(outputs, *args, **kwargs)
+
+            return run_backward
+
+        if callable(getattr(torch.autograd, "_engine_run_backward", None)):
+            patcher.wrap(torch.autograd, "_engine_run_backward", wrap)
+        else:  # pragma: no cover - torch < 2.3
+            patcher.wrap(torch.autograd, "backward", wrap)
+            patcher.wrap(torch.autograd, "grad", wrap)
+
+    def sample(self, outputs: Any, start: float) -> None:
+        """A pass is due (``start``: the clock when it was called): hand its roots to the checks, time them."""
+        if self._current_node() is not None:
+            return  # started by the autograd engine itself (reentrant checkpointing)
+        if not core.handlers("on_backward_sample"):
+            return
+        with self._no_subclass_code():  # read grad_fn without running a tensor subclass's __torch_function__
+            roots = roots_of(outputs)
+        if not roots:
+            return
+        core.notify("on_backward_sample", roots)
+        end = time.perf_counter()
+        self.samples += 1
+        self.sample_seconds += end - start
+        self.next_due = end + (end - start) / BUDGET
+
+    # -- optimizer steps -----------------------------------------------------------------
+    def await_optimizer_step(self) -> None:
+        """Count the next optimizer step in :attr:`optimizer_steps` (and remember its optimizer)."""
+        self._armed = True
+        self._unhook = False
+        if self._hook is not None:
+            return
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+        except ImportError:  # pragma: no cover - torch < 2.0
+            self.unavailable["optimizer_steps"] = "this torch has no global optimizer step hook"
+            return
+        probe = self
+
+        def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+            try:
+                if probe._armed:
+                    probe._armed = False
+                    probe.optimizer_steps += 1
+                    probe.optimizers.add(optimizer)
+                    probe._unhook = True  # not now: torch is iterating over the hooks
+            except Exception as exc:  # noqa: BLE001
+                probe.failed(exc)
+
+        self._hook = register_optimizer_step_post_hook(stepped)
+
+    def _remove_hook(self) -> None:
+        self._unhook = False
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
+
+    # -- creation traces -----------------------------------------------------------------
+    def trace_creations(self) -> bool:
+        """Make torch record the Python stack of each graph node built from now on; False if it cannot."""
+        import torch
+
+        if self._restore is not None:
+            return True
+        try:
+            enabled = bool(torch.is_anomaly_enabled())
+            check_nan = bool(torch.is_anomaly_check_nan_enabled())
+            if enabled:  # the user's own anomaly mode already records them
+                return True
+            torch.set_anomaly_enabled(True, False)
+            self._restore = (enabled, check_nan)
+        except Exception as exc:  # noqa: BLE001
+            self.failed(exc)
+            return False
+        return True
+
+    def stop_tracing(self) -> None:
+        """Put anomaly mode back as it was before :meth:`trace_creations`."""
+        restore, self._restore = self._restore, None
+        if restore is None:
+            return
+        try:
+            import torch
+
+            torch.set_anomaly_enabled(restore[0], restore[1])
+        except Exception as exc:  # noqa: BLE001
+            self.failed(exc)
+
+    @property
+    def tracing(self) -> bool:
+        return self._restore is not None
+
+
+PROBE = GraphsProbe()

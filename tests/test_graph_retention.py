@@ -1,0 +1,693 @@
+"""``no_graph_retention``: no autograd graph built in a training step is still reachable after the next step.
+
+Plain loops are watched directly (``watch()``); Lightning fits run in this
+process from modules written to ``tmp_path`` (so the report's lines are
+known), and once through pytester under the marker.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torchmetrics
+from seed_tips_models import QUIET, trainer
+from step_check_helpers import write_module
+
+from pytest_torchperf import InvariantViolation, UsageError, watch
+from pytest_torchperf.probes.graphs import PROBE as GRAPHS
+from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, CheckResult
+
+NAME = "no_graph_retention"
+STEPS = 12
+
+
+def check_of(fn: Any, *args: Any) -> CheckResult:
+    """Run ``fn(run, *args)`` under ``watch(no_graph_retention=True)`` (other defaults off); its verdict."""
+    try:
+        with watch(no_graph_retention=True, **QUIET) as run:
+            fn(run, *args)
+    except InvariantViolation as exc:
+        return exc.report[NAME]
+    assert run.report is not None
+    return run.report[NAME]
+
+
+# -- plain loops ------------------------------------------------------------------------------------
+
+LOOPS = '''
+import torch
+import torchmetrics
+
+
+def batches(n):
+    torch.manual_seed(0)
+    return [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(n)]
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+    head, aux = torch.nn.Linear(16, 1), torch.nn.Linear(16, 1)
+    params = [*trunk.parameters(), *head.parameters(), *aux.parameters()]
+    return trunk, head, aux, torch.optim.SGD(params, lr=0.01)
+
+
+def losses_appended(run, n):
+    trunk, head, aux, opt = model_and_optimizer()
+    losses = []
+    for x, y in batches(n):
+        with run.step():
+            loss = torch.nn.functional.mse_loss(head(trunk(x)), y)  # HERE losses_appended
+            losses.append(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def running_sum(run, n):
+    trunk, head, aux, opt = model_and_optimizer()
+    total = 0.0
+    for x, y in batches(n):
+        with run.step():
+            loss = torch.nn.functional.mse_loss(head(trunk(x)), y)
+            total = total + loss  # HERE running_sum
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def outputs_collected(run, n):
+    trunk, head, aux, opt = model_and_optimizer()
+    outputs = []
+    for x, y in batches(n):
+        with run.step():
+            out = head(trunk(x))  # HERE outputs_collected
+            outputs.append(out)
+            loss = torch.nn.functional.mse_loss(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return torch.cat(outputs).mean()
+
+
+def auxiliary_output(run, n):
+    trunk, head, aux, opt = model_and_optimizer()
+    aux_outputs = []
+    for x, y in batches(n):
+        with run.step():
+            h = trunk(x)
+            aux_outputs.append(aux(h))  # HERE auxiliary_output
+            loss = torch.nn.functional.mse_loss(head(h), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def detached(run, n):
+    trunk, head, aux, opt = model_and_optimizer()
+    losses, outputs, total = [], [], 0.0
+    for x, y in batches(n):
+        with run.step():
+            out = head(trunk(x))
+            loss = torch.nn.functional.mse_loss(out, y)
+            losses.append(loss.detach())
+            outputs.append(out.detach())
+            total += loss.detach()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def item(run, n):
+    trunk, head, aux, opt = model_and_optimizer()
+    total = 0.0
+    for x, y in batches(n):
+        with run.step():
+            loss = torch.nn.functional.mse_loss(head(trunk(x)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        total += loss.item()  # outside the step
+
+
+def metric(run, n):
+    trunk, head, aux, opt = model_and_optimizer()
+    mean, mse = torchmetrics.MeanMetric(), torchmetrics.MeanSquaredError()
+    for x, y in batches(n):
+        with run.step():
+            out = head(trunk(x))
+            loss = torch.nn.functional.mse_loss(out, y)
+            mean.update(loss)
+            mse(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return mean.compute(), mse.compute()
+
+
+def truncated_bptt(run, n):
+    torch.manual_seed(0)
+    cell, head = torch.nn.GRUCell(8, 16), torch.nn.Linear(16, 1)
+    opt = torch.optim.SGD([*cell.parameters(), *head.parameters()], lr=0.01)
+    hidden = None
+    for x, y in batches(n):
+        with run.step():
+            hidden = cell(x, hidden)
+            loss = torch.nn.functional.mse_loss(head(hidden), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            hidden = hidden.detach()
+
+
+def retain_graph_within_a_step(run, n):
+    trunk, head, aux, opt = model_and_optimizer()
+    for x, y in batches(n):
+        with run.step():
+            h = trunk(x)
+            first = torch.nn.functional.mse_loss(head(h), y)
+            second = aux(h).abs().mean()
+            opt.zero_grad()
+            first.backward(retain_graph=True)
+            second.backward()
+            opt.step()
+
+
+def accumulated_before_backward(run, n):
+    """Gradient accumulation over 3 micro-steps, one backward: legal, the graph lives until its optimizer step."""
+    trunk, head, aux, opt = model_and_optimizer()
+    pending = 0.0
+    for i, (x, y) in enumerate(batches(n)):
+        with run.step():
+            pending = pending + torch.nn.functional.mse_loss(head(trunk(x)), y)
+            if i % 3 == 2:
+                opt.zero_grad()
+                pending.backward()
+                opt.step()
+                pending = 0.0
+'''
+
+
+@pytest.fixture(scope="module")
+def loops(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, int]]:
+    path = tmp_path_factory.mktemp("loops")
+    module, _ = write_module(path, "retention_loops", LOOPS)
+    lines = {}
+    for i, text in enumerate((path / "retention_loops.py").read_text().splitlines(), 1):
+        if "# HERE " in text:
+            lines[text.split("# HERE ")[1].strip()] = i
+    return module, lines
+
+
+# The loop's locals die when its function returns, before the watch ends: the report is the last scan
+# made on the way. Step 1's graph is seen alive when step 3 starts (step 2 has run); step 3 runs under the
+# creation trace; scans when steps 5 and 10 start count what steps 1-3 and 1-8 left.
+ONE_PER_STEP = "list of 8 tensors with autograd graphs, one per step (steps 1-8)"
+
+
+@pytest.mark.parametrize(
+    "pattern, holder, description",
+    [
+        ("losses_appended", "local 'losses' in losses_appended", ONE_PER_STEP),
+        ("running_sum", "local 'total' in running_sum", "one graph spanning 8 steps (steps 1-8)"),
+        ("outputs_collected", "local 'outputs' in outputs_collected", ONE_PER_STEP),
+        ("auxiliary_output", "local 'aux_outputs' in auxiliary_output", ONE_PER_STEP),
+    ],
+)
+def test_a_leak_in_a_plain_loop_fails_with_its_holder_line_and_growth(
+    loops: tuple[Any, dict[str, int]], pattern: str, holder: str, description: str
+) -> None:
+    module, lines = loops
+    check = check_of(getattr(module, pattern), STEPS)
+    assert check.status == FAILED, check.summary
+    assert check.summary == f"graphs of 8 steps kept by {holder}"
+    finding = check.findings[0]
+    assert finding.title == f"{holder}: {description}"
+    (site,) = finding.sites
+    assert site.frame is not None and site.frame.filename.endswith("retention_loops.py")
+    assert site.frame.lineno == lines[pattern] and site.frame.function == pattern
+    assert "first seen after step 2 ended: the graph built in step 1 was still alive" in finding.facts[-1]
+    assert check.figures["steps_retained"] >= 1 and check.figures["scans"] >= 1
+    assert check.figures["holders"][0] == holder
+    assert check.figures["scanned_at_step"] == 9
+    assert check.figures["retained_tensors_per_step"] == (round(1 / 8, 3) if pattern == "running_sum" else 1.0)
+
+
+def test_growth_counts_graph_nodes_and_the_saved_activations_a_leak_keeps(loops: tuple[Any, dict[str, int]]) -> None:
+    module, _ = loops
+    appended = check_of(module.losses_appended, STEPS)
+    # mse_loss <- addmm <- t, relu <- addmm <- t: 6 nodes per step; backward freed their saved tensors.
+    assert appended.figures["retained_nodes_per_step"] == 6
+    assert appended.figures["retained_saved_bytes"] == 0
+    assert appended.findings[0].facts[0] == (
+        "growth per step: 1 tensor, 6 graph nodes, no saved activations (backward already freed them)"
+    )
+    assert "hint: put .detach()ed tensors in this list" in "\n".join(appended.render(False))
+    aux = check_of(module.auxiliary_output, STEPS)
+    # aux(h) was never part of a backward pass: its addmm still saves h (4 x 16 floats) each step.
+    assert aux.figures["retained_saved_bytes_per_step"] == 4 * 16 * 4
+    assert aux.findings[0].facts[0].endswith("256 B of saved activations")
+    assert "never part of a backward pass" in aux.findings[0].hint
+    total = check_of(module.running_sum, STEPS)
+    assert "total += loss.detach()" in total.findings[0].hint
+
+
+@pytest.mark.parametrize(
+    "pattern", ["detached", "item", "metric", "truncated_bptt", "retain_graph_within_a_step", "accumulated_before_backward"]
+)
+def test_what_keeps_values_not_graphs_passes(loops: tuple[Any, dict[str, int]], pattern: str) -> None:
+    module, _ = loops
+    check = check_of(getattr(module, pattern), STEPS)
+    assert check.status == PASSED, [f.title for f in check.findings]
+    assert check.summary.startswith(f"no autograd graph outlived its step ({STEPS} steps, graphs of ")
+    assert check.figures["steps_retained"] == 0 and check.figures["scans"] == 0
+    assert check.figures["steps_tracked"] >= 1 and check.figures["steps_judged"] >= 1
+
+
+def test_the_first_backward_pass_is_always_walked_then_the_cadence_adapts(loops: tuple[Any, dict[str, int]]) -> None:
+    module, _ = loops
+    check = check_of(module.detached, 200)
+    figures = check.figures
+    assert figures["backward_passes"] == 200
+    assert 1 <= figures["backward_passes_sampled"] < 200
+    assert figures["steps_tracked"] == figures["backward_passes_sampled"]
+
+
+def test_a_leak_that_starts_late_is_found() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept = []
+
+    def body(run: Any) -> None:
+        for i in range(400):
+            with run.step():
+                loss = model(torch.randn(2, 4)).pow(2).mean()
+                if i >= 100:
+                    kept.append(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+    check = check_of(body)
+    assert check.status == FAILED
+    assert check.figures["holders"] == ["local 'kept' in test_a_leak_that_starts_late_is_found"]
+
+
+def test_not_checked_without_a_step_a_backward_pass_or_an_optimizer_step() -> None:
+    model = torch.nn.Linear(4, 1)
+    assert check_of(lambda run: model(torch.randn(2, 4))).status == NOT_CHECKED
+
+    def forward_only(run: Any) -> None:
+        for _ in range(3):
+            with run.step():
+                model(torch.randn(2, 4))
+
+    no_backward = check_of(forward_only)
+    assert no_backward.status == NOT_CHECKED and no_backward.summary == "no backward pass in the 3 steps seen"
+
+    def no_optimizer(run: Any) -> None:
+        kept = []
+        for _ in range(3):
+            with run.step():
+                loss = model(torch.randn(2, 4)).sum()
+                kept.append(loss)
+                loss.backward()
+
+    check = check_of(no_optimizer)
+    assert check.status == NOT_CHECKED
+    assert check.summary.startswith("no optimizer step in the run")
+
+
+def test_the_watch_leaves_torch_as_it_found_it(loops: tuple[Any, dict[str, int]]) -> None:
+    module, _ = loops
+    backward = torch.autograd._engine_run_backward
+    check_of(module.losses_appended, STEPS)  # its creation trace switches anomaly mode on for one step
+    assert torch.autograd._engine_run_backward is backward
+    assert not torch.is_anomaly_enabled()
+    assert not GRAPHS.tracing and GRAPHS._hook is None
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    assert not _global_optimizer_post_hooks
+
+
+def test_the_users_own_anomaly_mode_is_kept(loops: tuple[Any, dict[str, int]]) -> None:
+    module, lines = loops
+    with torch.autograd.set_detect_anomaly(True, check_nan=True):
+        check = check_of(module.losses_appended, STEPS)
+        assert torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
+    assert check.findings[0].sites[0].frame.lineno == lines["losses_appended"]
+    assert not torch.is_anomaly_enabled()
+
+
+def test_a_probe_failure_is_not_checked_and_the_loop_runs_on(
+    loops: tuple[Any, dict[str, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module, _ = loops
+
+    def broken(outputs: Any) -> tuple:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("pytest_torchperf.probes.graphs.roots_of", broken)
+    check = check_of(module.losses_appended, STEPS)
+    assert check.status == NOT_CHECKED
+    assert check.summary == (
+        "torchperf internal error in probe graphs: RuntimeError: boom; the check is not checked"
+    )
+
+
+def test_a_graph_held_only_from_cpp_is_reported_without_a_holder() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    anchor = torch.zeros(1, requires_grad=True)
+    hooks = []
+
+    def body(run: Any) -> None:
+        for _ in range(6):
+            with run.step():
+                loss = model(torch.randn(2, 4)).pow(2).mean()
+                # the hook's closure keeps the loss (and its graph); the hook itself lives in C++
+                hooks.append(anchor.register_hook(lambda grad, kept=loss * 1: grad))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+    check = check_of(body)
+    assert check.status == FAILED
+    assert check.summary == "graphs of 5 steps kept by an unnamed holder"
+    assert check.findings[0].title == (
+        "held by an object torchperf could not name: 5 tensors with autograd graphs, one per step (steps 1-5)"
+    )
+    for handle in hooks:
+        handle.remove()
+
+
+# -- Lightning fits -------------------------------------------------------------------------------------
+
+MODULES = '''
+import torch
+import torchmetrics
+
+try:
+    import pytorch_lightning as pl
+except ImportError:  # pragma: no cover
+    import lightning.pytorch as pl
+
+
+class Base(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(16, 1)
+        self.aux_head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.layer(x)))  # HERE forward
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class LossList(Base):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)  # HERE LossList
+        self.losses.append(loss)
+        return loss
+
+
+class RunningTotal(Base):
+    def __init__(self):
+        super().__init__()
+        self.total = 0.0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.total = self.total + loss  # HERE RunningTotal
+        return loss
+
+
+class EpochOutputs(Base):
+    """Lightning 2's documented replacement of training_epoch_end, without the .detach()."""
+
+    def __init__(self):
+        super().__init__()
+        self.training_step_outputs = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        preds = self(x)  # HERE EpochOutputs
+        self.training_step_outputs.append(preds)
+        return torch.nn.functional.mse_loss(preds, y)
+
+    def on_train_epoch_end(self):
+        torch.cat(self.training_step_outputs).mean()
+        self.training_step_outputs.clear()
+
+
+class AuxiliaryOutput(Base):
+    def __init__(self):
+        super().__init__()
+        self.aux_outputs = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.relu(self.layer(x))
+        self.aux_outputs.append(self.aux_head(h))  # HERE AuxiliaryOutput
+        return torch.nn.functional.mse_loss(self.head(h), y)
+
+
+class Clean(Base):
+    def __init__(self):
+        super().__init__()
+        self.losses, self.training_step_outputs, self.total = [], [], 0.0
+        self.mean = torchmetrics.MeanMetric()
+        self.mse = torchmetrics.MeanSquaredError()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        preds = self(x)
+        loss = torch.nn.functional.mse_loss(preds, y)
+        self.losses.append(loss.detach())
+        self.training_step_outputs.append(preds.detach())
+        self.total += loss.detach()
+        self.mean.update(loss)
+        self.mse(preds, y)
+        self.log("train_loss", loss, on_epoch=True)
+        self.log("train_mse", self.mse, on_epoch=True)
+        return {"loss": loss, "preds": preds}
+
+    def on_train_epoch_end(self):
+        torch.cat(self.training_step_outputs).mean()
+        self.training_step_outputs.clear()
+
+
+class TruncatedBPTT(Base):
+    def __init__(self):
+        super().__init__()
+        self.cell = torch.nn.GRUCell(8, 16)
+        self.hidden = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        hidden = self.cell(x, self.hidden)
+        self.hidden = hidden.detach()
+        return torch.nn.functional.mse_loss(self.head(hidden), y)
+
+
+class ManualRetainGraph(Base):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        h = torch.relu(self.layer(x))
+        first = torch.nn.functional.mse_loss(self.head(h), y)
+        second = self.aux_head(h).abs().mean()
+        opt.zero_grad()
+        self.manual_backward(first, retain_graph=True)
+        self.manual_backward(second)
+        opt.step()
+'''
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, int], Path]:
+    path = tmp_path_factory.mktemp("modules")
+    module, _ = write_module(path, "retention_modules", MODULES)
+    lines = {}
+    for i, text in enumerate((path / "retention_modules.py").read_text().splitlines(), 1):
+        if "# HERE " in text:
+            lines[text.split("# HERE ")[1].strip()] = i
+    return module, lines, path
+
+
+def fit(tmp_path: Path, model: Any, epochs: int = 2) -> CheckResult:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(48, 8, generator=generator), torch.randn(48, 1, generator=generator))
+    loader = DataLoader(data, batch_size=8)  # 6 steps per epoch
+    try:
+        with watch(no_graph_retention=True, **QUIET) as run:
+            trainer(tmp_path, max_epochs=epochs, num_sanity_val_steps=0).fit(model, loader)
+    except InvariantViolation as exc:
+        return exc.report[NAME]
+    assert run.report is not None
+    return run.report[NAME]
+
+
+@pytest.mark.parametrize(
+    "name, title",
+    [
+        ("LossList", "LossList.losses: list of 11 tensors with autograd graphs, one per step (steps 1-11)"),
+        ("RunningTotal", "RunningTotal.total: one graph spanning 11 steps (steps 1-11)"),
+        ("AuxiliaryOutput", "AuxiliaryOutput.aux_outputs: list of 11 tensors with autograd graphs, one per step (steps 1-11)"),
+        # the list is cleared at each epoch's end, so the fit's end finds it empty: the scan on the way saw it
+        ("EpochOutputs", "EpochOutputs.training_step_outputs: list of 3 tensors with autograd graphs, one per step (steps 1-3)"),
+    ],
+)
+def test_a_leak_in_a_lightning_fit_fails_with_its_holder_and_line(
+    modules: tuple[Any, dict[str, int], Path], tmp_path: Path, name: str, title: str
+) -> None:
+    module, lines, _ = modules
+    check = fit(tmp_path, getattr(module, name)())
+    assert check.status == FAILED, check.summary
+    finding = check.findings[0]
+    assert finding.title == title
+    (site,) = finding.sites
+    assert site.frame is not None and site.frame.filename.endswith("retention_modules.py")
+    if name == "EpochOutputs":  # built in forward, called from the step's line
+        assert site.frame.lineno == lines["forward"]
+        mine = [f for f in site.stack if f.filename == site.frame.filename]
+        assert [(f.function, f.lineno) for f in mine] == [("training_step", lines[name]), ("forward", lines["forward"])]
+    else:
+        assert site.frame.lineno == lines[name]
+
+
+@pytest.mark.parametrize("name", ["Clean", "TruncatedBPTT", "ManualRetainGraph"])
+def test_a_clean_lightning_fit_passes(modules: tuple[Any, dict[str, int], Path], tmp_path: Path, name: str) -> None:
+    module, _, _ = modules
+    check = fit(tmp_path, getattr(module, name)())
+    assert check.status == PASSED, [f.title for f in check.findings]
+    assert check.figures["steps"] == 12 and check.figures["steps_judged"] >= 1
+    assert check.figures["scans"] == 0
+
+
+SUITE = '''
+import pytest
+import torch
+from torchperf_models import TinyModule, make_loader, make_trainer
+
+
+class KeepsLosses(TinyModule):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss)
+        return loss
+
+
+@pytest.mark.torchperf(no_graph_retention=True)
+def test_fit_leaks(tmp_path):
+    make_trainer(tmp_path, max_epochs=3).fit(KeepsLosses(), make_loader(num_workers=0))
+
+
+@pytest.mark.torchperf(no_graph_retention=True)
+def test_fit_clean(tmp_path):
+    make_trainer(tmp_path, max_epochs=3).fit(TinyModule(), make_loader(num_workers=0))
+
+
+@pytest.mark.torchperf(no_graph_retention=True)
+def test_loop_leaks(torchperf):
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    outputs = []
+    with torchperf.watch(no_graph_retention=True) as run:
+        for _ in range(10):
+            with run.step():
+                out = model(torch.randn(4, 8))
+                outputs.append(out)
+                opt.zero_grad()
+                out.pow(2).mean().backward()
+                opt.step()
+'''
+
+
+def test_the_marker_fails_a_leaking_fit_and_reports_figures(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(test_suite=SUITE)
+    result = user_models.runpytest(
+        "-p", "no:warnings", "--torchperf-json=out.json", "--junitxml=out.xml", "-k", "fit"
+    )
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*torchperf: 1 invariant broken: no_graph_retention (graphs of 11 steps kept by KeepsLosses.losses)",
+            "*torchperf: no_graph_retention*",
+            "KeepsLosses.losses: list of 11 tensors with autograd graphs, one per step (steps 1-11)",
+            "  growth per step: 1 tensor, * graph nodes, no saved activations (backward already freed them)",
+            "*retained tensor created at torchperf_models.py:* in training_step *",
+            "  hint: put .detach()ed tensors in this list*",
+            "PASSED  test_suite.py::test_fit_clean",
+            "*no_graph_retention: passed (no autograd graph outlived its step (12 steps*",
+        ],
+        consecutive=False,
+    )
+    doc = json.loads((user_models.path / "out.json").read_text())
+    tests = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
+    leak = tests["test_fit_leaks"]["checks"][NAME]
+    assert leak["status"] == FAILED and leak["count"] == 11
+    assert leak["figures"]["holders"] == ["KeepsLosses.losses"]
+    assert leak["figures"]["retained_tensors_per_step"] == 1.0
+    assert leak["findings"][0]["sites"][0]["function"] == "training_step"
+    assert tests["test_fit_clean"]["checks"][NAME]["status"] == PASSED
+    root = ET.parse(user_models.path / "out.xml").getroot()
+    props = {
+        case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")} for case in root.iter("testcase")
+    }
+    assert props["test_fit_leaks"][f"torchperf.{NAME}.status"] == FAILED
+    assert props["test_fit_leaks"][f"torchperf.{NAME}.retained_tensors"] == "11"
+    assert props["test_fit_clean"][f"torchperf.{NAME}.steps_retained"] == "0"
+
+
+def test_a_local_of_the_test_is_named_while_it_is_alive(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(test_suite=SUITE)
+    result = user_models.runpytest("-p", "no:warnings", "-k", "loop")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["local 'outputs' in test_loop_leaks: list of 9 tensors with autograd graphs, one per step (steps 1-9)"],
+        consecutive=False,
+    )
+
+
+# -- arguments -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"no_graph_retention": 1}, "no_graph_retention must be True or False, got 1 (int)"),
+        ({"no_graph_retention": "yes"}, "no_graph_retention must be True or False, got 'yes' (str)"),
+        ({"no_graph_retentoin": True}, "(did you mean 'no_graph_retention'?)"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        with watch(**kwargs):
+            pass
