@@ -25,7 +25,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import results, stacks
+from . import project, results, stacks
 from .arguments import UsageError, suggest
 from .options import OVERHEAD_ROUNDS, SCOPES, Options, describe_options, parse_options
 from .report import FAILED, NOT_CHECKED, InvariantViolation, Report
@@ -54,6 +54,7 @@ class Settings:
     report_only: bool = False
     json_path: Optional[str] = None
     threads: str = "auto"  # "auto", "off" or a positive integer
+    user_packages: tuple[str, ...] = ()  # import names counted as the user's code even when installed
 
 
 def _scope_arg(value: str) -> str:
@@ -68,6 +69,10 @@ def _threads_arg(value: str) -> str:
     if value in ("auto", "off") or (value.isdigit() and int(value) > 0):
         return value
     raise argparse.ArgumentTypeError(f"must be 'auto', 'off' or a positive integer, got {value!r}")
+
+
+def _packages_arg(value: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in value.replace(",", " ").split() if name.strip())
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -101,10 +106,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="torch CPU threads per process: 'auto' (under xdist: cores / workers, unless OMP_NUM_THREADS "
         "or MKL_NUM_THREADS is set), 'off' or a number (ini: torchperf_threads; default auto)",
     )
+    group.addoption(
+        "--torchperf-user-packages",
+        metavar="NAMES",
+        type=_packages_arg,
+        default=None,
+        help="comma-separated import packages that are your code even when installed in site-packages "
+        "(the rootdir project's own packages always are; ini: torchperf_user_packages)",
+    )
     parser.addini("torchperf_json", "write the torchperf JSON report to this path", type="string", default="")
     parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
     parser.addini("torchperf_report_only", "report broken invariants without failing tests", type="bool", default=False)
     parser.addini("torchperf_threads", "torch CPU threads per process: auto, off or a number", type="string", default="")
+    parser.addini(
+        "torchperf_user_packages", "import packages that are your code even when installed", type="args", default=[]
+    )
 
 
 def resolve_settings(config: pytest.Config) -> Settings:
@@ -127,7 +143,18 @@ def resolve_settings(config: pytest.Config) -> Settings:
     if json_path:
         json_path = os.path.join(str(config.invocation_params.dir), os.path.expanduser(json_path))
     threads = config.getoption("torchperf_threads") or ini("torchperf_threads", _threads_arg) or "auto"
-    return Settings(scope=scope, report_only=report_only, json_path=json_path, threads=threads)
+    named = config.getoption("torchperf_user_packages")
+    where = "--torchperf-user-packages"
+    if named is None:
+        named, where = tuple(config.getini("torchperf_user_packages") or ()), "ini option torchperf_user_packages"
+    try:
+        user_packages = project.check_names(named, where)
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    return Settings(
+        scope=scope, report_only=report_only, json_path=json_path, threads=threads,
+        user_packages=user_packages,
+    )
 
 
 def _apply_threads(config: pytest.Config, settings: Settings) -> None:
@@ -171,6 +198,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     settings = config.stash[_SETTINGS] = resolve_settings(config)
     stacks.set_display_root(str(config.rootpath))
+    _count_user_packages(config, settings)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         lock = workerinput.get("torchperf_timing_lock")
@@ -182,6 +210,14 @@ def pytest_configure(config: pytest.Config) -> None:
         config.add_cleanup(controller.close)
     _apply_threads(config, settings)
     config.pluginmanager.register(_Recorder(config, settings), "torchperf-recorder")
+
+
+def _count_user_packages(config: pytest.Config, settings: Settings) -> None:
+    """Tell the frame classifier which installed packages are the user's (restored when the session ends)."""
+    named_by = "--torchperf-user-packages" if config.getoption("torchperf_user_packages") else "torchperf_user_packages"
+    packages = project.user_packages(str(config.rootpath), settings.user_packages, named_by)
+    previous = stacks.classify.set_user_packages(packages)
+    config.add_cleanup(lambda: stacks.classify.set_user_packages(previous))
 
 
 # -- watching a test ------------------------------------------------------------------------
