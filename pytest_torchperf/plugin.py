@@ -54,6 +54,7 @@ class Settings:
     report_only: bool = False
     json_path: Optional[str] = None
     threads: str = "auto"  # "auto", "off" or a positive integer
+    max_sync_rate: Optional[float] = None  # None: each marker's own default
     user_packages: tuple[str, ...] = ()  # import names counted as the user's code even when installed
 
 
@@ -69,6 +70,16 @@ def _threads_arg(value: str) -> str:
     if value in ("auto", "off") or (value.isdigit() and int(value) > 0):
         return value
     raise argparse.ArgumentTypeError(f"must be 'auto', 'off' or a positive integer, got {value!r}")
+
+
+def _rate_arg(value: str) -> float:
+    try:
+        rate = float(value)
+    except ValueError:
+        rate = -1.0
+    if not 0 <= rate <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {value!r}")
+    return rate
 
 
 def _packages_arg(value: str) -> tuple[str, ...]:
@@ -107,6 +118,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "or MKL_NUM_THREADS is set), 'off' or a number (ini: torchperf_threads; default auto)",
     )
     group.addoption(
+        "--torchperf-max-sync-rate",
+        metavar="RATE",
+        type=_rate_arg,
+        default=None,
+        help="default max_sync_rate of no_host_sync: a site that syncs in at most this share of the steps "
+        "(0.1: every 10th step or rarer) or once per epoch is a note; 0 fails on every sync "
+        "(a marker's own max_sync_rate= wins; ini: torchperf_max_sync_rate)",
+    )
+    group.addoption(
         "--torchperf-user-packages",
         metavar="NAMES",
         type=_packages_arg,
@@ -118,6 +138,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
     parser.addini("torchperf_report_only", "report broken invariants without failing tests", type="bool", default=False)
     parser.addini("torchperf_threads", "torch CPU threads per process: auto, off or a number", type="string", default="")
+    parser.addini("torchperf_max_sync_rate", "default max_sync_rate of no_host_sync (0 to 1)", type="string", default="")
     parser.addini(
         "torchperf_user_packages", "import packages that are your code even when installed", type="args", default=[]
     )
@@ -143,6 +164,9 @@ def resolve_settings(config: pytest.Config) -> Settings:
     if json_path:
         json_path = os.path.join(str(config.invocation_params.dir), os.path.expanduser(json_path))
     threads = config.getoption("torchperf_threads") or ini("torchperf_threads", _threads_arg) or "auto"
+    max_sync_rate = config.getoption("torchperf_max_sync_rate")
+    if max_sync_rate is None:
+        max_sync_rate = ini("torchperf_max_sync_rate", _rate_arg)
     named = config.getoption("torchperf_user_packages")
     where = "--torchperf-user-packages"
     if named is None:
@@ -153,7 +177,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         raise pytest.UsageError(str(exc)) from None
     return Settings(
         scope=scope, report_only=report_only, json_path=json_path, threads=threads,
-        user_packages=user_packages,
+        max_sync_rate=max_sync_rate, user_packages=user_packages,
     )
 
 
@@ -225,7 +249,10 @@ def _count_user_packages(config: pytest.Config, settings: Settings) -> None:
 
 def _session_defaults(config: pytest.Config) -> dict[str, Any]:
     settings = config.stash[_SETTINGS]
-    return {"scope": settings.scope} if settings.scope else {}
+    defaults: dict[str, Any] = {"scope": settings.scope} if settings.scope else {}
+    if settings.max_sync_rate is not None:
+        defaults["max_sync_rate"] = settings.max_sync_rate
+    return defaults
 
 
 def _marker_options(item: pytest.Item) -> Optional[Options]:

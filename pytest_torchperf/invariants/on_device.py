@@ -44,7 +44,7 @@ from ..report import CheckResult, Finding, Site
 from ..stacks import TORCH, USER, Frame, Stack
 from ..text import plural
 from ._spelling import reassigns, spell
-from ._steps import PerStep, frequency, short, step_verdict
+from ._steps import PerStep, extent, frequency, step_verdict
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -231,8 +231,6 @@ class DevicePlacementCheck(Check):
         elif not copy.by_user:
             facts.append(f"made by {owner_label(copy.creation or copy.mover)}, not by your code: a note, not a failure")
         hint = copy.hint if copy.by_user and not copy.allowed_by else ""
-        if not (copy.by_user and not copy.allowed_by):
-            sites = [Site(s.label, short(s.stack), s.count) for s in sites]
         return Finding(title, facts, sites, hint)
 
     def result(self) -> CheckResult:
@@ -267,7 +265,7 @@ class DevicePlacementCheck(Check):
 
         def many_sites(count: int, n: int) -> str:
             noun = "copy" if count == 1 else "copies"
-            return f"{count} host-to-device {noun} of tensors built on the host, at {n} sites over {plural(total, unit)}"
+            return f"{count} host-to-device {noun} of tensors built on the host, at {n} sites {extent(run)}"
 
         return step_verdict(
             NAME, run, what="copies", failing=failing, noted=noted, allowed=allowed, finding=self._finding,
@@ -277,7 +275,7 @@ class DevicePlacementCheck(Check):
                 f"{unit}: within max_copies_per_step={budget}"
             ),
             one_site=one_site, many_sites=many_sites,
-            clean=f"no host-built tensor copied over {plural(total, unit)}", extras=extras,
+            clean=f"no host-built tensor copied {extent(run)}", extras=extras,
         )
 
 
