@@ -37,11 +37,13 @@ from ..allow import AllowList
 from ..arguments import Argument, Flag, Integer, SiteList
 from ..core import Check
 from ..frames import describe_frame, locate, owner_label, stack_of
+from .. import lightning
+from ..probes._host import DATA, LEGACY
 from ..probes.tensors import PROBE as TENSORS
 from ..probes.tensors import Birth, Move
 from ..registry import Invariant
 from ..report import CheckResult, Finding, Site
-from ..stacks import TORCH, USER, Frame, Stack
+from ..stacks import TORCH, USER, Frame, Stack, classify
 from ..text import plural
 from ._spelling import reassigns, spell
 from ._steps import PerStep, extent, frequency, step_verdict
@@ -54,6 +56,26 @@ NAME = "on_device"
 BUILT = "built in the step"
 CONSTANT = "built once, copied every step"
 COPY = "copied from the host"
+DATA_COPY = "python data copied to the device"
+_OPS = {"to": ".to(...)", "cuda": ".cuda()", "type_as": ".type_as(...)", "copy_": ".copy_(...)", DATA: "device="}
+_OPERATORS = frozenset(("==", "!=", "<", "<=", ">", ">=", "+", "-", "*", "/", "&", "|", "~"))
+
+
+def made_by(birth: Birth) -> str:
+    """``torch.randn(...)``, ``torch.FloatTensor(...)``, ``x.new_tensor(...)``: what built the tensor."""
+    if birth.factory == "new_tensor":
+        return "x.new_tensor(...)"
+    return f"torch.{birth.factory}(...)"
+
+
+def path_text(birth: Birth) -> str:
+    """The operations from the factory to the move: ``.triu().float()``, `` == …``."""
+    out = []
+    for step in birth.path:
+        if step == "view":
+            continue
+        out.append(f" {step} …" if step in _OPERATORS else f".{step}()")
+    return "".join(out)
 
 # -- per-run state and verdict ----------------------------------------------------------------
 
@@ -75,7 +97,8 @@ class _Copy(PerStep):
         self._tensors: dict[int, tuple[Any, set[Optional[int]]]] = {}
         #: The most steps one tensor was copied in.
         self.most_steps = 0
-        self.hint = spell(event, mover)
+        self.in_lightning = lightning.current_call() is not None
+        self.hint = spell(event, mover, self.in_lightning)
         tensor = event.tensor
         self.shape = tuple(tensor.shape)
         self.dtype = str(tensor.dtype).replace("torch.", "")
@@ -104,6 +127,8 @@ class _Copy(PerStep):
     def kind(self) -> str:
         if self.birth is None:
             return COPY
+        if self.op == DATA:
+            return DATA_COPY
         return CONSTANT if self.repeated else BUILT
 
     @property
@@ -118,7 +143,8 @@ class _Copy(PerStep):
         creation = self.creation
         return {
             "kind": self.kind,
-            "factory": f"torch.{self.birth.factory}" if self.birth else None,
+            "factory": made_by(self.birth)[:-5] if self.birth else None,
+            "path": [p for p in self.birth.path if p != "view"] if self.birth else [],
             "created_at": creation.location() if creation else None,
             "created_source": creation.source if creation else None,
             "moved_by": self.op,
@@ -195,24 +221,35 @@ class DevicePlacementCheck(Check):
     # -- verdict -------------------------------------------------------------------------
     def _finding(self, copy: _Copy, note: str = "") -> Finding:
         freq = frequency(copy.per_unit, copy.outside, self.run.units, self.run.unit_name)
-        op = {"to": ".to(...)", "cuda": ".cuda()", "type_as": ".type_as(...)", "copy_": ".copy_(...)"}[copy.op]
+        op = _OPS[copy.op]
         birth = copy.birth
         facts = []
         sites = []
-        if birth is not None and birth.site is not None:
-            made = f"torch.{birth.factory}(...)"
-            via = "".join(f".{step}()" for step in birth.path if step != "view")
+        if birth is not None and birth.site is not None and copy.op == DATA:
+            made = made_by(birth).replace("(...)", "(<python data>, device=...)" if birth.factory != "new_tensor" else "(<python data>)")
+            title = f"{note}{made} copies host memory to the device in {copy.mover.function}: {freq}"
+            facts.append(f"at {birth.site.location()}: {birth.site.source}")
+            facts.append(
+                "on CUDA a copy from pageable host memory is blocking: torch waits for the stream to finish "
+                "everything queued so far, then copies, every time"
+            )
+            sites.append(Site(f"{made_by(birth)} with python data", copy.move_stack, copy.count))
+        elif birth is not None and birth.site is not None:
+            made = made_by(birth)
+            via = path_text(birth)
             if copy.kind == CONSTANT:
-                title = f"{note}the same {made} copied again with {op} in {copy.mover.function}: {freq}"
+                title = f"{note}the same {made}{via} copied again with {op} in {copy.mover.function}: {freq}"
             else:
                 title = f"{note}{made}{via} built on the host, then copied with {op} in {copy.mover.function}: {freq}"
+            if birth.factory in LEGACY:
+                facts.append(f"torch.{birth.factory} is a legacy constructor: it always builds on the host")
             if birth.site.location() == copy.mover.location():
                 facts.append(f"created and moved at {birth.site.location()}: {birth.site.source}")
-                sites.append(Site(f"torch.{birth.factory} then {op}", copy.move_stack, copy.count))
+                sites.append(Site(f"{made[:-5]} then {op}", copy.move_stack, copy.count))
             else:
                 facts.append(f"created at {birth.site.location()}: {birth.site.source}")
                 facts.append(f"moved at {copy.mover.location()}: {copy.mover.source}")
-                sites.append(Site(f"created by torch.{birth.factory}", birth.stack, copy.count))
+                sites.append(Site(f"created by {made[:-5]}", birth.stack, copy.count))
                 sites.append(Site(f"copied by {op}", copy.move_stack, copy.count))
         else:
             title = f"{note}host tensor copied to the device with {op} in {copy.mover.function}: {freq}"
@@ -229,7 +266,13 @@ class DevicePlacementCheck(Check):
         if copy.allowed_by:
             facts.append(f"accepted by allowed_copies entry {copy.allowed_by!r}")
         elif not copy.by_user:
-            facts.append(f"made by {owner_label(copy.creation or copy.mover)}, not by your code: a note, not a failure")
+            owner_frame = copy.creation or copy.mover
+            facts.append(
+                f"made by {owner_label(owner_frame)}, not by your code ({classify.rule(owner_frame.filename)}): "
+                "a note, not a failure"
+            )
+        elif copy.creation is not None and classify.rule_matters(copy.creation.filename):
+            facts.append(f"counted as your code: {classify.rule(copy.creation.filename)}")
         hint = copy.hint if copy.by_user and not copy.allowed_by else ""
         return Finding(title, facts, sites, hint)
 
@@ -259,7 +302,7 @@ class DevicePlacementCheck(Check):
 
         def one_site(c: _Copy) -> str:
             where = c.creation.location() if c.creation else c.mover.location()
-            what = "host-built tensor" if c.birth else "host tensor"
+            what = "host-built tensor" if c.birth and c.op != DATA else "python-data" if c.birth else "host tensor"
             noun = "copy" if c.count == 1 else "copies"
             return f"{c.count} {what} {noun} from {where}: {frequency(c.per_unit, c.outside, total, unit)}"
 
