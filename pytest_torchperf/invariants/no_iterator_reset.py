@@ -13,6 +13,14 @@ segment: Lightning shuts the workers down when a call ends, so the next call
 starting a pool again is expected. Sanity-check passes do not count as an
 epoch of a non-persistent loader (they do count as a pool start of a
 persistent one, which the following epochs must reuse).
+
+A loader *rebuilt* every epoch (a new ``DataLoader`` object from the same
+line, each starting its own pool) is caught too: loaders with workers built
+by the same chain of your lines (:mod:`pytest_torchperf.probes.loaders`
+records where each was built) count as one, so every pool after the first
+in a segment is extra. Lightning's ``reload_dataloaders_every_n_epochs`` is
+named as the cause when the Trainer has it. Each loader is named with the
+line that built it.
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ from .. import lightning
 from ..arguments import Flag
 from ..core import Check
 from ..probes.iterators import DROP, POOL, SHUTDOWN
+from ..probes.loaders import PROBE as LOADERS
 from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
-from ..stacks import Stack
+from ..stacks import Frame, Stack
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -51,15 +60,32 @@ class _Loader:
         self.num_workers = int(getattr(loader, "num_workers", 0) or 0)
         self.persistent = bool(getattr(loader, "persistent_workers", False))
         dataset = getattr(loader, "dataset", None)
-        self.description = (
+        self.kind = (
             f"{type(loader).__name__}(dataset={type(dataset).__name__}, "
             f"num_workers={self.num_workers}, persistent_workers={self.persistent})"
         )
+        #: Where it was built (None: built before the run), and your frames on the way there, outermost first.
+        self.created: Optional[Stack] = LOADERS.created.get(loader)
+        mine = [f for f in self.created or () if f.is_user]
+        self.chain: tuple[Frame, ...] = tuple(mine)
+        self.built_at = self.chain[-1].location() if self.chain else None
+        #: Set by the verdict: the name shown in reports (with the line that built it).
+        self.description = self.kind
         self.passes = 0
         self.events: list[_Event] = []
 
+    @property
+    def key(self) -> Optional[tuple[str, ...]]:
+        """The chain of your lines that built it: loaders with the same key are the same loader rebuilt."""
+        return tuple(f.location() for f in self.chain) if self.chain else None
+
     def pools(self, segment: Optional[int] = None) -> list[_Event]:
         return [e for e in self.events if e.kind == POOL and (segment is None or e.segment == segment)]
+
+    def counted_pools(self, segment: int) -> list[_Event]:
+        """The pools of a segment that count (a non-persistent loader's sanity-check pool does not)."""
+        pools = self.pools(segment)
+        return pools if self.persistent else [p for p in pools if not p.sanity]
 
 
 class IteratorResetCheck(Check):
@@ -71,10 +97,17 @@ class IteratorResetCheck(Check):
         super().__init__(run)
         self._segment = 0
         self._loaders: dict[int, _Loader] = {}
+        #: Segment -> the Trainer's reload_dataloaders_every_n_epochs, for the segments of a Trainer call.
+        self._reload: dict[int, int] = {}
+        #: Where each loader was built or first iterated: the loaders probe fills it while the run has it.
+        self.log = LOADERS.log_for(run)
 
     # -- events from the probe ----------------------------------------------------
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
         self._segment += 1
+        reload = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
+        if isinstance(reload, int) and reload > 0:
+            self._reload[self._segment] = reload
 
     def _record(self, loader: Any) -> _Loader:
         rec = self._loaders.get(id(loader))
@@ -101,11 +134,43 @@ class IteratorResetCheck(Check):
         """Pools beyond the one each segment may start."""
         extra = []
         for segment in sorted({e.segment for e in rec.pools()}):
-            pools = rec.pools(segment)
-            if not rec.persistent:
-                pools = [p for p in pools if not p.sanity]
-            extra.extend(pools[1:])
+            extra.extend(rec.counted_pools(segment)[1:])
         return extra
+
+    def _rebuilt(self, group: list[_Loader]) -> list[tuple[_Loader, _Event]]:
+        """Pools of loaders rebuilt from the same lines beyond the first per segment (each loader's own first)."""
+        extra = []
+        for segment in sorted({e.segment for rec in group for e in rec.pools()}):
+            firsts = [(rec, pools[0]) for rec in group for pools in [rec.counted_pools(segment)] if pools]
+            extra.extend(firsts[1:])
+        return extra
+
+    def _rebuilt_finding(self, group: list[_Loader], extra: list[tuple[_Loader, _Event]]) -> Finding:
+        first = group[0]
+        pools = [(rec, p) for rec in group for p in rec.pools()]
+        title = (
+            f"{first.kind} built at {first.built_at} was built again {len(group) - 1} times, and each new "
+            f"loader started its own worker pool: {len(pools)} pools"
+        )
+        facts = [f"worker pools started in: {', '.join(p.label for _, p in pools)}"]
+        reload = sorted({v for seg, v in self._reload.items() if any(p.segment == seg for _, p in pools)})
+        sites = [Site("DataLoader built", first.created or ())]
+        sites.extend(merge_sites([Site("worker pool started by a rebuilt loader", p.stack) for _, p in extra]))
+        hint = (
+            f"build this DataLoader once, outside the epoch loop, with persistent_workers=True: one pool of "
+            f"{first.num_workers} workers (and their copies of the dataset) then serves every epoch"
+        )
+        if reload:
+            every = reload[0]
+            period = "every epoch" if every == 1 else f"every {every} epochs"
+            facts.append(f"the Trainer has reload_dataloaders_every_n_epochs={every}: Lightning calls your "
+                         f"*_dataloader() hook again {period}")
+            hint = (
+                f"Trainer(reload_dataloaders_every_n_epochs={every}) rebuilds the loaders, and each new one starts "
+                "its own worker pool: drop the option unless the data really changes between epochs, and build "
+                "the loader with persistent_workers=True"
+            )
+        return Finding(title, facts, sites, hint)
 
     def _finding(self, rec: _Loader, extra: list[_Event]) -> Finding:
         pools = rec.pools()
@@ -155,8 +220,34 @@ class IteratorResetCheck(Check):
             )
         return Finding(title, facts, sites, hint)
 
+    def _name(self, loaders: list[_Loader]) -> None:
+        """Name each loader with the line that built it (and the outer line when two share it)."""
+        seen: dict[Optional[str], int] = {}
+        for rec in loaders:
+            seen[rec.built_at] = seen.get(rec.built_at, 0) + 1
+        for rec in loaders:
+            if rec.built_at is None:
+                logged = self.log.records.get(id(rec.loader))
+                stack = logged.first_iterated if logged is not None and logged.ref() is rec.loader else None
+                mine = [f for f in stack or () if f.is_user]
+                where = f"first iterated at {mine[-1].location()}" if mine else "built before the run"
+                rec.description = f"{rec.kind} ({where})"
+                continue
+            where = rec.built_at
+            if seen[rec.built_at] > 1 and len(rec.chain) > 1:
+                where += f", called from {rec.chain[-2].location()}"
+            rec.description = f"{rec.kind} (built at {where})"
+
     def result(self) -> CheckResult:
         with_workers = [r for r in self._loaders.values() if r.num_workers > 0]
+        groups: dict[tuple[str, ...], list[_Loader]] = {}
+        for rec in with_workers:
+            if rec.key is not None:
+                groups.setdefault(rec.key, []).append(rec)
+        self._name([g[0] for g in groups.values()] + [r for r in with_workers if r.key is None])
+        for group in groups.values():
+            for rec in group[1:]:
+                rec.description = group[0].description
         findings = []
         extra_total = 0
         for rec in with_workers:
@@ -164,6 +255,12 @@ class IteratorResetCheck(Check):
             if extra:
                 extra_total += len(extra)
                 findings.append(self._finding(rec, extra))
+        for group in groups.values():
+            if len(group) > 1:
+                rebuilt = self._rebuilt(group)
+                if rebuilt:
+                    extra_total += len(rebuilt)
+                    findings.append(self._rebuilt_finding(group, rebuilt))
         pools_total = sum(len(r.pools()) for r in with_workers)
         figures = {
             "loaders_with_workers": len(with_workers),
@@ -173,6 +270,7 @@ class IteratorResetCheck(Check):
             "loaders": [
                 {
                     "loader": r.description,
+                    "built_at": r.built_at,
                     "num_workers": r.num_workers,
                     "persistent_workers": r.persistent,
                     "passes": r.passes,
@@ -207,5 +305,5 @@ INVARIANT = Invariant(
     check=IteratorResetCheck,
     kind=Flag(),
     default=True,
-    probes=("iterators",),
+    probes=("iterators", "loaders"),
 )
