@@ -365,3 +365,45 @@ def test_lightning_transformer_demo_mask_is_caught_with_a_buffer_hint(tmp_path: 
     assert event["moved_at"].endswith(f"demo_mask.py:{lineno}")
     assert event["path"] == ["triu", "masked_fill"]  # .float() of a float tensor returns the tensor itself
     assert 'self.register_buffer("name", self.generate_square_subsequent_mask(x.size(0)), persistent=False)' in event["hint"]
+
+
+# -- the copy rate: a lazy or periodic copy is a note --------------------------------------------------
+
+LAZY = """
+import torch
+
+class Cached(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        self.mask = None
+
+    def forward(self, x):
+        if self.mask is None:
+            self.mask = torch.triu(torch.ones(4, 4)).to(x.device)  # HERE
+        return self.layer(x)
+
+def train(watch, batches, **options):
+    model = Cached()
+    with watch(**options) as run:
+        for i, (x, y) in enumerate(batches):
+            with run.step():
+                model(x).sum().backward()
+                if i % 10 == 0:
+                    image = torch.rand(4).to(x.device)  # every 10th step, like logging a sample
+    return run
+"""
+
+
+def test_a_tensor_built_lazily_in_the_first_step_and_a_periodic_copy_are_notes(tmp_path: Path) -> None:
+    module, lineno = write_module(tmp_path, "lazy", LAZY)
+    data = [(torch.randn(4, 8), torch.randn(4, 1))] * 40
+    report = report_of(module.train, watch, data)
+    check = report["on_device"]
+    assert check.status == "passed", check.render(False)
+    cadences = {e["moved_at"].rsplit(":", 1)[1]: e["cadence"] for e in check.figures["events"]}
+    assert cadences == {str(lineno): "once", str(lineno + 10): "periodic"}
+    assert check.summary == "no host-built tensor copied over 40 steps; 5 periodic in your code (noted)"
+    assert [f.title.split(": ", 1)[0] for f in check.findings] == ["note", "note"]
+    assert report_of(module.train, watch, data, max_copy_rate=0)["on_device"].status == "failed"
+    assert report_of(module.train, watch, data[:1])["on_device"].status == "failed"  # in every observed step

@@ -34,7 +34,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..allow import AllowList
-from ..arguments import Argument, Flag, Integer, SiteList
+from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import describe_frame, locate, owner_label, stack_of
 from .. import lightning
@@ -46,7 +46,7 @@ from ..report import CheckResult, Finding, Site
 from ..stacks import TORCH, USER, Frame, Stack, classify
 from ..text import plural
 from ._spelling import reassigns, spell
-from ._steps import PerStep, extent, frequency, step_verdict
+from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, extent, frequency, rate, step_verdict
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -103,9 +103,11 @@ class _Copy(PerStep):
         self.shape = tuple(tensor.shape)
         self.dtype = str(tensor.dtype).replace("torch.", "")
         self.real = event.real_copy
+        #: PERIODIC / PER_EPOCH / ONCE, or None: set when the verdict is made.
+        self.cadence: Optional[str] = None
 
-    def record(self, event: Move, unit: Optional[int], built_in_step: bool) -> None:
-        self.add(unit)
+    def record(self, event: Move, unit: Optional[int], built_in_step: bool, epoch: int = 0) -> None:
+        self.add(unit, epoch)
         self.real = self.real or event.real_copy
         self.built_in_step = self.built_in_step or built_in_step
         tensor = event.tensor
@@ -155,6 +157,8 @@ class _Copy(PerStep):
             "count": self.count,
             "steps_with_copy": len(self.per_unit),
             "frequency": frequency(self.per_unit, self.outside, total),
+            "rate": rate(self, total),
+            "cadence": self.cadence,
             "shape": list(self.shape),
             "dtype": self.dtype,
             "real_copy": self.real,
@@ -173,6 +177,12 @@ class DevicePlacementCheck(Check):
         self.allow = AllowList(run.options.allowed_copies)
         TENSORS.want_functions(self.allow.function_names)
         self._copies: dict[Any, _Copy] = {}
+        self.limit: float = run.options.max_copy_rate
+        #: Passes over DataLoaders begun so far: the epoch a copy belongs to.
+        self.epoch = 0
+
+    def on_dataloader_pass(self, loader: Any) -> None:
+        self.epoch += 1
 
     # -- events from the probe ----------------------------------------------------------
     def on_move(self, event: Move) -> None:
@@ -216,11 +226,14 @@ class DevicePlacementCheck(Check):
         if copy is None:
             move_stack = stack_of(event.frame)
             copy = self._copies[key] = _Copy(event, describe_frame(mover.frame), move_stack, by_user, allowed_by)
-        copy.record(event, run.unit, built_in_step)
+        copy.record(event, run.unit, built_in_step, self.epoch)
 
     # -- verdict -------------------------------------------------------------------------
     def _finding(self, copy: _Copy, note: str = "") -> Finding:
-        freq = frequency(copy.per_unit, copy.outside, self.run.units, self.run.unit_name)
+        if copy.cadence is not None:
+            freq = cadence_text(copy.cadence, copy, self.run.units, self.run.unit_name)
+        else:
+            freq = frequency(copy.per_unit, copy.outside, self.run.units, self.run.unit_name)
         op = _OPS[copy.op]
         birth = copy.birth
         facts = []
@@ -263,6 +276,11 @@ class DevicePlacementCheck(Check):
             facts.append("a real host-to-device copy on this machine")
         else:
             facts.append("on this CPU-only run the move is a no-op; on a GPU it is a host-to-device copy each time")
+        if copy.cadence is not None and copy.by_user and not copy.allowed_by:
+            what = {"periodic": f"after its first step, in at most {self.limit:g} of the steps",
+                    "once per epoch": "at most once per epoch", "once": "once in the run (like a tensor built lazily in the first step and kept)"}
+            facts.append(f"copied {what[copy.cadence]}: a note, not a failure (max_copy_rate={self.limit:g}; "
+                         "0 fails on it)")
         if copy.allowed_by:
             facts.append(f"accepted by allowed_copies entry {copy.allowed_by!r}")
         elif not copy.by_user:
@@ -273,7 +291,7 @@ class DevicePlacementCheck(Check):
             )
         elif copy.creation is not None and classify.rule_matters(copy.creation.filename):
             facts.append(f"counted as your code: {classify.rule(copy.creation.filename)}")
-        hint = copy.hint if copy.by_user and not copy.allowed_by else ""
+        hint = copy.hint if copy.by_user and not copy.allowed_by and copy.cadence is None else ""
         return Finding(title, facts, sites, hint)
 
     def result(self) -> CheckResult:
@@ -281,21 +299,29 @@ class DevicePlacementCheck(Check):
         total = run.units
         unit = run.unit_name
         copies = sorted((c for c in self._copies.values() if c.broken), key=lambda c: -c.count)
-        failing = [c for c in copies if c.by_user and not c.allowed_by]
-        noted = [c for c in copies if not c.by_user and not c.allowed_by]
+        for c in copies:
+            c.cadence = cadence(c, total, self.limit) if c.by_user and not c.allowed_by else None
+        failing = [c for c in copies if c.by_user and not c.allowed_by and c.cadence is None]
+        periodic = [c for c in copies if c.cadence is not None]
+        framework = [c for c in copies if not c.by_user and not c.allowed_by]
+        noted = periodic + framework
         allowed = [c for c in copies if c.allowed_by]
         figures: dict[str, Any] = {
             "scope": run.scope,
             "steps": total,
             "host_built_copies": sum(c.count for c in failing),
             "sites": len(failing),
-            "framework_copies": sum(c.count for c in noted),
+            "periodic_copies": sum(c.count for c in periodic),
+            "max_copy_rate": self.limit,
+            "framework_copies": sum(c.count for c in framework),
             "allowed_copies": sum(c.count for c in allowed),
             "events": [c.to_dict(total) for c in copies],
         }
         extras = []
-        if noted:
-            owners = sorted({owner_label(c.creation or c.mover) for c in noted})
+        if periodic:
+            extras.append(f"{figures['periodic_copies']} periodic in your code (noted)")
+        if framework:
+            owners = sorted({owner_label(c.creation or c.mover) for c in framework})
             extras.append(f"{figures['framework_copies']} in {', '.join(owners)} (noted)")
         if allowed:
             extras.append(f"{figures['allowed_copies']} allowed")
@@ -335,7 +361,7 @@ INVARIANT = Invariant(
     check=DevicePlacementCheck,
     kind=Flag(),
     default=True,
-    probes=("tensors",),
+    probes=("tensors", "iterators"),
     arguments=(
         Argument(
             "allowed_copies",
@@ -350,6 +376,15 @@ INVARIANT = Invariant(
             None,
             "on_device passes while no training step makes more than N copies of host-built tensors",
             meaning="the most copies of host-built tensors any training step may make",
+        ),
+        Argument(
+            "max_copy_rate",
+            Fraction(),
+            DEFAULT_RATE,
+            "on_device notes, without failing, a copy made periodically: after its first step, in at most this "
+            "share of the steps, at most once per epoch, or once (a tensor built lazily in the first step and "
+            "kept); 0 fails on every copy",
+            meaning="the largest share of the steps a periodic copy may take",
         ),
     ),
 )
