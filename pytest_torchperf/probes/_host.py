@@ -138,6 +138,10 @@ class HostRegistry:
         #: id(tensor) -> weak reference, for the births that are host tensors now (not moved): the hot
         #: paths' one-lookup answer to "is this a host tensor?".
         self.host: dict[int, Any] = {}
+        #: The same for the host tensors built at a site of code outside torch (the ones a check may blame):
+        #: the operations of :mod:`._propagate` follow these only, so torch's own host tensors (an
+        #: optimizer's step counters) cost them nothing.
+        self.traced: dict[int, Any] = {}
         #: id(tensor) -> weak reference: tensors a DataLoader produced (only where a real copy can happen).
         self.loader_tensors: dict[int, Any] = {}
         #: Function names some run's allow-list names: a birth inside one of them remembers it.
@@ -152,6 +156,7 @@ class HostRegistry:
     def clear(self) -> None:
         self.births.clear()
         self.host.clear()
+        self.traced.clear()
         self.loader_tensors.clear()
         self.functions.clear()
         self.moved_modules = weakref.WeakSet()
@@ -164,6 +169,8 @@ class HostRegistry:
             del self.births[key]
         if self.host.get(key) is ref:
             del self.host[key]
+        if self.traced.get(key) is ref:
+            del self.traced[key]
 
     def remember(self, tensor: Any, birth: Birth) -> None:
         key = id(tensor)
@@ -174,8 +181,13 @@ class HostRegistry:
         self.births[key] = (ref, birth)
         if birth.moved:
             self.host.pop(key, None)
+            self.traced.pop(key, None)
         else:
             self.host[key] = ref
+            if birth.site is not None:
+                self.traced[key] = ref
+            else:
+                self.traced.pop(key, None)
 
     def own_birth(self, tensor: Any) -> Optional[Birth]:
         entry = self.births.get(id(tensor))
@@ -196,6 +208,18 @@ class HostRegistry:
                     birth = birth.derived("view")
         return birth
 
+    def is_traced(self, tensor: Any) -> bool:
+        """Whether ``tensor`` (or the tensor it is a view of) is a host tensor built outside torch."""
+        traced = self.traced
+        ref = traced.get(id(tensor))
+        if ref is not None and ref() is tensor:
+            return True
+        base = getattr(tensor, "_base", None)
+        if base is not None:
+            ref = traced.get(id(base))
+            return ref is not None and ref() is base
+        return False
+
     def is_host_tensor(self, tensor: Any) -> bool:
         """Whether ``tensor`` lives on the host by construction (a factory without ``device=``, not moved)."""
         ref = self.host.get(id(tensor))
@@ -213,6 +237,7 @@ class HostRegistry:
         birth.moved = True
         birth.with_module = birth.with_module or with_module
         self.host.pop(id(tensor), None)
+        self.traced.pop(id(tensor), None)
 
     def mark_moved(self, tensor: Any, birth: Birth, with_module: bool) -> None:
         """``tensor`` was moved in place (on a CPU-only machine, always): it now stands for the device copy."""

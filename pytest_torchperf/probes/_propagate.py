@@ -19,8 +19,10 @@ when every tensor they read is a host tensor (python numbers are fine):
   DataLoader's collate is torch's, so batches never count).
 
 Each is a Python wrapper on a Tensor method or a ``torch`` function: one call
-and, while no host tensor is alive, one dictionary check on top of the
-operation (about 0.1-0.3 us; measured in ``benchmarks/bench_step_checks.py``).
+and, while no host tensor built by code outside torch is alive, one dictionary
+check on top of the operation (torch's own host tensors, such as an
+optimizer's step counters, are not followed, so they cost nothing here);
+measured in ``benchmarks/bench_step_checks.py``.
 Everything else (reductions, ``matmul``, ``torch.where(c, a, b)``, indexing
 with tensors, ``repeat``, ``flip``, operations of a subclass with its own
 ``__torch_function__``) is not followed: its result counts as a device tensor.
@@ -80,8 +82,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
     tensor_type = torch.Tensor
     flags = FLAGS
     is_compiling = probe.compiling
-    host = probe.host
-    births = probe.births
+    traced = probe.traced
 
     def binary(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         label = _LABELS[name]
@@ -91,7 +92,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
             if type(self) is not tensor_type and dispatch.overrides(self):
                 return dispatch.call(original, self, (other,), {})
             out = original(self, other)
-            if host and not is_compiling() and flags.active and (id(self) in host or id(other) in host):
+            if traced and not is_compiling() and flags.active and (id(self) in traced or id(other) in traced):
                 try:
                     probe.follow(label, out, (self, other))
                 except Exception as exc:  # noqa: BLE001 - never into the user's code
@@ -108,7 +109,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
             if type(self) is not tensor_type and dispatch.overrides(self):
                 return dispatch.call(original, self, (), {})
             out = original(self)
-            if host and not is_compiling() and flags.active and id(self) in host:
+            if traced and not is_compiling() and flags.active and id(self) in traced:
                 try:
                     probe.follow(label, out, (self,))
                 except Exception as exc:  # noqa: BLE001
@@ -123,9 +124,9 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
             if type(self) is not tensor_type and dispatch.overrides(self):
                 return dispatch.call(original, self, args, kwargs)
             out = original(self, *args, **kwargs)
-            if births and not is_compiling() and flags.active:
+            if traced and not is_compiling() and flags.active:
                 try:
-                    if probe.is_host_tensor(self):
+                    if probe.is_traced(self):
                         probe.follow(name, out, (self,) + args + tuple(kwargs.values()))
                 except Exception as exc:  # noqa: BLE001
                     probe.failed(exc)  # type: ignore[attr-defined]
@@ -139,7 +140,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
         def fn(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True
             out = original(*args, **kwargs)
-            if births and args and not is_compiling() and flags.active:
+            if traced and args and not is_compiling() and flags.active:
                 try:
                     if many:
                         first = args[0]
@@ -147,7 +148,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
                             site = caller(sys._getframe(1))
                             if site is not None and kind_of(site.f_code) != TORCH:
                                 probe.follow(name, out, tuple(first))
-                    elif probe.is_host_tensor(args[0]):
+                    elif probe.is_traced(args[0]):
                         probe.follow(name, out, args[:1])
                 except Exception as exc:  # noqa: BLE001
                     probe.failed(exc)  # type: ignore[attr-defined]
@@ -228,26 +229,29 @@ class LegacySites:
     """Which lines move a tensor built by a legacy constructor (``torch.FloatTensor(...)``), read once per line."""
 
     def __init__(self) -> None:
-        #: (code, line) -> (constructor, path, the line that built it), or None (read by the hot path).
-        self.cache: dict[tuple[CodeType, int], Optional[tuple[str, tuple[str, ...], int]]] = {}
+        #: id(code) -> (code, {line: (constructor, path, the line that built it) or None}). Keyed by the code's id
+        #: (hashing a code object costs more than the whole lookup); the code is kept, so its id stays its own.
+        self.cache: dict[int, tuple[CodeType, dict[int, Optional[tuple[str, tuple[str, ...], int]]]]] = {}
 
     def clear(self) -> None:
         self.cache.clear()
 
     def at(self, frame: FrameType) -> Optional[tuple[str, tuple[str, ...], int]]:
-        key = (frame.f_code, frame.f_lineno)
+        code = frame.f_code
+        entry = self.cache.get(id(code))
+        if entry is None or entry[0] is not code:
+            if len(self.cache) > 5000:
+                self.cache.clear()
+            entry = self.cache[id(code)] = (code, {})
+        lines = entry[1]
+        lineno = frame.f_lineno
+        if lineno in lines:
+            return lines[lineno]
         try:
-            return self.cache[key]
-        except KeyError:
-            pass
-        found = None
-        try:
-            found = self._read(frame.f_code, frame.f_lineno)
+            found = self._read(code, lineno)
         except Exception:  # noqa: BLE001 - unreadable source is no legacy constructor
             found = None
-        if len(self.cache) > 20000:
-            self.cache.clear()
-        self.cache[key] = found
+        lines[lineno] = found
         return found
 
     def _read(self, code: CodeType, lineno: int) -> Optional[tuple[str, tuple[str, ...], int]]:

@@ -210,8 +210,11 @@ class TensorsProbe(HostRegistry, Probe):
                             if not flags.in_scope:
                                 return out
                             frame = getframe(1)
-                            seen = legacy_seen.get((frame.f_code, frame.f_lineno), frame)
-                            if seen is None or (seen is frame and legacy_at(frame) is None):
+                            code = frame.f_code
+                            lines = legacy_seen.get(id(code))
+                            if lines is not None and lines[0] is code and lines[1].get(frame.f_lineno, frame) is None:
+                                return out  # a line read before: no legacy constructor there
+                            if legacy_at(frame) is None:
                                 return out
                     try:
                         after_to(self, out, args, kwargs, getframe(1))
