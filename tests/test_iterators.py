@@ -297,7 +297,7 @@ def test_a_loader_rebuilt_every_epoch_from_the_same_line_fails(user_models: pyte
         [
             "*no_iterator_reset (2 extra worker pools in 1 loader)*",
             "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=False) built at test_rebuilt.py:8 "
-            "was built again 2 times, and each new loader started its own worker pool: 3 pools",
+            "was built again twice, and each new loader started its own worker pool: 3 pools",
             "  worker pools started in: pass 1, pass 1, pass 1",
             "  DataLoader built at test_rebuilt.py:8 in test_loop [[]your code[]]",
             "*worker pool started by a rebuilt loader (2x) at test_rebuilt.py:9 in test_loop*",
@@ -352,7 +352,7 @@ def test_lightning_reload_dataloaders_every_n_epochs_is_named_as_the_cause(user_
         [
             "*no_iterator_reset (2 extra worker pools in 1 loader)*",
             "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) built at "
-            "torchperf_models.py:25 was built again 2 times*: 3 pools",
+            "torchperf_models.py:25 was built again twice*: 3 pools",
             "  worker pools started in: epoch 0 (train), epoch 1 (train), epoch 2 (train)",
             "  the Trainer has reload_dataloaders_every_n_epochs=1: Lightning calls your *_dataloader() hook again "
             "every epoch",
@@ -361,3 +361,29 @@ def test_lightning_reload_dataloaders_every_n_epochs_is_named_as_the_cause(user_
             "own worker pool*",
         ]
     )
+
+
+def test_two_loaders_built_by_one_line_and_used_side_by_side_are_two_loaders(user_models: pytest.Pytester) -> None:
+    """``fit(model, make_loader(), make_loader())``: the same lines build both, but neither replaces the other."""
+    user_models.makepyfile(
+        test_pair="""
+        import pytest
+        from torchperf_models import TinyModule, make_loader, make_trainer
+
+        @pytest.mark.torchperf
+        def test_fit(tmp_path):
+            trainer = make_trainer(tmp_path, max_epochs=3)
+            trainer.fit(TinyModule(), make_loader(num_workers=2), make_loader(num_workers=2))
+        """
+    )
+    result = user_models.runpytest("-p", "no:warnings", "--torchperf-json=out.json")
+    result.assert_outcomes(passed=1)
+    import json
+
+    doc = json.loads((user_models.path / "out.json").read_text())
+    names = sorted(e["loader"] for e in doc["tests"][0]["checks"]["no_iterator_reset"]["figures"]["loaders"])
+    assert names == [
+        "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) (built at torchperf_models.py:25, "
+        f"called from test_pair.py:7, the {which} built there)"
+        for which in ("first", "second")
+    ]

@@ -36,11 +36,13 @@ from ..probes.loaders import PROBE as LOADERS
 from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import Frame, Stack
+from ..text import times
 
 if TYPE_CHECKING:
     from ..core import Run
 
 NAME = "no_iterator_reset"
+_ORDINALS = {1: "first", 2: "second", 3: "third"}
 
 @dataclass
 class _Event:
@@ -66,6 +68,8 @@ class _Loader:
         )
         #: Where it was built (None: built before the run), and your frames on the way there, outermost first.
         self.created: Optional[Stack] = LOADERS.created.get(loader)
+        #: Its rank among the loaders built while the run watched (None: built before).
+        self.order = next((i for i, built in enumerate(LOADERS.created.keys()) if built is loader), None)
         mine = [f for f in self.created or () if f.is_user]
         self.chain: tuple[Frame, ...] = tuple(mine)
         self.built_at = self.chain[-1].location() if self.chain else None
@@ -73,6 +77,14 @@ class _Loader:
         self.description = self.kind
         self.passes = 0
         self.events: list[_Event] = []
+        #: The check's clock at this loader's first and last pass or pool: when it was in use.
+        self.first_used: Optional[int] = None
+        self.last_used: Optional[int] = None
+
+    def used(self, clock: int) -> None:
+        if self.first_used is None:
+            self.first_used = clock
+        self.last_used = clock
 
     @property
     def key(self) -> Optional[tuple[str, ...]]:
@@ -96,6 +108,7 @@ class IteratorResetCheck(Check):
     def __init__(self, run: "Run") -> None:
         super().__init__(run)
         self._segment = 0
+        self._clock = 0
         self._loaders: dict[int, _Loader] = {}
         #: Segment -> the Trainer's reload_dataloaders_every_n_epochs, for the segments of a Trainer call.
         self._reload: dict[int, int] = {}
@@ -122,10 +135,15 @@ class IteratorResetCheck(Check):
         return f"pass {rec.passes}", False
 
     def on_dataloader_pass(self, loader: Any) -> None:
-        self._record(loader).passes += 1
+        rec = self._record(loader)
+        rec.passes += 1
+        self._clock += 1
+        rec.used(self._clock)
 
     def on_worker_pool(self, kind: str, loader: Any, stack: Stack, how: str = "") -> None:
         rec = self._record(loader)
+        self._clock += 1
+        rec.used(self._clock)
         label, sanity = self._label(rec)
         rec.events.append(_Event(kind, stack, self._segment, label, sanity, how))
 
@@ -138,7 +156,15 @@ class IteratorResetCheck(Check):
         return extra
 
     def _rebuilt(self, group: list[_Loader]) -> list[tuple[_Loader, _Event]]:
-        """Pools of loaders rebuilt from the same lines beyond the first per segment (each loader's own first)."""
+        """Pools of loaders rebuilt from the same lines beyond the first per segment (each loader's own first).
+
+        Only a succession is a rebuild: each loader in use after the previous one's last use. Two loaders
+        from one line used side by side (``fit(model, loader(True), loader(False))``) are two loaders.
+        """
+        used = sorted((r for r in group if r.first_used is not None), key=lambda r: r.first_used or 0)
+        for before, after in zip(used, used[1:]):
+            if (after.first_used or 0) <= (before.last_used or 0):
+                return []
         extra = []
         for segment in sorted({e.segment for rec in group for e in rec.pools()}):
             firsts = [(rec, pools[0]) for rec in group for pools in [rec.counted_pools(segment)] if pools]
@@ -149,7 +175,7 @@ class IteratorResetCheck(Check):
         first = group[0]
         pools = [(rec, p) for rec in group for p in rec.pools()]
         title = (
-            f"{first.kind} built at {first.built_at} was built again {len(group) - 1} times, and each new "
+            f"{first.kind} built at {first.built_at} was built again {times(len(group) - 1)}, and each new "
             f"loader started its own worker pool: {len(pools)} pools"
         )
         facts = [f"worker pools started in: {', '.join(p.label for _, p in pools)}"]
@@ -220,12 +246,18 @@ class IteratorResetCheck(Check):
             )
         return Finding(title, facts, sites, hint)
 
-    def _name(self, loaders: list[_Loader]) -> None:
-        """Name each loader with the line that built it (and the outer line when two share it)."""
-        seen: dict[Optional[str], int] = {}
-        for rec in loaders:
-            seen[rec.built_at] = seen.get(rec.built_at, 0) + 1
-        for rec in loaders:
+    def _name(self, loaders: list[_Loader], rebuilt: list[list[_Loader]]) -> None:
+        """Name each loader with the line that built it: the calling line too when two share a helper's line,
+        and which one it is when two come from the very same lines (``fit(m, loader(True), loader(False))``).
+        A loader rebuilt from the same lines takes the name of the first one built."""
+        copies = {id(rec): group[0] for group in rebuilt for rec in group[1:]}
+        named = [rec for rec in loaders if id(rec) not in copies]
+        by_line: dict[Optional[str], int] = {}
+        by_chain: dict[Optional[tuple[str, ...]], list[_Loader]] = {}
+        for rec in named:
+            by_line[rec.built_at] = by_line.get(rec.built_at, 0) + 1
+            by_chain.setdefault(rec.key, []).append(rec)
+        for rec in named:
             if rec.built_at is None:
                 logged = self.log.records.get(id(rec.loader))
                 stack = logged.first_iterated if logged is not None and logged.ref() is rec.loader else None
@@ -234,9 +266,16 @@ class IteratorResetCheck(Check):
                 rec.description = f"{rec.kind} ({where})"
                 continue
             where = rec.built_at
-            if seen[rec.built_at] > 1 and len(rec.chain) > 1:
+            if by_line[rec.built_at] > 1 and len(rec.chain) > 1:
                 where += f", called from {rec.chain[-2].location()}"
+            twins = sorted(by_chain[rec.key], key=lambda r: r.order if r.order is not None else -1)
+            if len(twins) > 1:
+                where += f", the {_ORDINALS.get(twins.index(rec) + 1, str(twins.index(rec) + 1) + 'th')} built there"
             rec.description = f"{rec.kind} (built at {where})"
+        for rec in loaders:
+            first = copies.get(id(rec))
+            if first is not None:
+                rec.description = first.description
 
     def result(self) -> CheckResult:
         with_workers = [r for r in self._loaders.values() if r.num_workers > 0]
@@ -244,10 +283,9 @@ class IteratorResetCheck(Check):
         for rec in with_workers:
             if rec.key is not None:
                 groups.setdefault(rec.key, []).append(rec)
-        self._name([g[0] for g in groups.values()] + [r for r in with_workers if r.key is None])
-        for group in groups.values():
-            for rec in group[1:]:
-                rec.description = group[0].description
+        rebuilt = [(group, self._rebuilt(group)) for group in groups.values() if len(group) > 1]
+        rebuilt = [(group, extra) for group, extra in rebuilt if extra]
+        self._name(with_workers, [group for group, _ in rebuilt])
         findings = []
         extra_total = 0
         for rec in with_workers:
@@ -255,12 +293,9 @@ class IteratorResetCheck(Check):
             if extra:
                 extra_total += len(extra)
                 findings.append(self._finding(rec, extra))
-        for group in groups.values():
-            if len(group) > 1:
-                rebuilt = self._rebuilt(group)
-                if rebuilt:
-                    extra_total += len(rebuilt)
-                    findings.append(self._rebuilt_finding(group, rebuilt))
+        for group, extra in rebuilt:
+            extra_total += len(extra)
+            findings.append(self._rebuilt_finding(group, extra))
         pools_total = sum(len(r.pools()) for r in with_workers)
         figures = {
             "loaders_with_workers": len(with_workers),
