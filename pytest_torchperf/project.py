@@ -19,6 +19,7 @@ from __future__ import annotations
 import configparser
 import os
 import re
+import sys
 from typing import Any, Optional, Sequence
 
 from .arguments import UsageError, suggest
@@ -153,10 +154,8 @@ def check_names(names: Sequence[str], where: str) -> tuple[str, ...]:
             fixed = re.sub(r"[^A-Za-z0-9_.]", "_", name)
             hint = f" (did you mean {fixed!r}?)" if _IMPORT_NAME.match(fixed) else ""
             raise UsageError(f"pytest-torchperf: {where} entry {name!r} is not an import name like 'mypkg' or 'mypkg.sub'{hint}")
-        import sys
-
         if name not in sys.modules and not package_locations(name):
-            known = sorted({n for n in _importable_names()})
+            known = sorted(set(_importable_names()))
             raise UsageError(
                 f"pytest-torchperf: {where} names {name!r}, which is not importable here{suggest(name, known)}"
             )
