@@ -32,6 +32,9 @@ Workloads:
 - ``op-bound-sgd``:  3-layer MLP, width 64, batch 32, SGD with momentum;
 - ``op-bound-adam``: the same with Adam (which reads its host ``step`` counter
   with ``.item()`` once per parameter per step: inside a step, on every call);
+- ``op-bound-residual``: 3 residual blocks ``h = h + 0.5 * relu(linear(h))``,
+  width 64, batch 32, SGD: Python arithmetic on tensors in the forward pass,
+  which the host-provenance wrappers (``+ - * /``, comparisons) see on every call;
 - ``compute-bound``: 3-layer MLP, width 512, batch 256, Adam.
 
 Every step moves its batch with ``.to(device)``, as a real loop does.
@@ -48,7 +51,7 @@ import statistics
 import time
 from typing import Callable
 
-BUDGETS = {"op-bound-sgd": 1.05, "op-bound-adam": 1.05, "compute-bound": 1.02}
+BUDGETS = {"op-bound-sgd": 1.05, "op-bound-adam": 1.05, "op-bound-residual": 1.05, "compute-bound": 1.02}
 
 
 def build(kind: str) -> tuple[Callable[[], object], int]:
@@ -60,12 +63,14 @@ def build(kind: str) -> tuple[Callable[[], object], int]:
         width, batch, steps = 64, 32, 100
     else:
         width, batch, steps = 512, 256, 3
-    model = torch.nn.Sequential(
+    model: torch.nn.Module = torch.nn.Sequential(
         torch.nn.Linear(width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, 1),
     )
-    if kind == "op-bound-sgd":
+    if kind == "op-bound-residual":
+        model = _Residual(torch, width)
+    if kind in ("op-bound-sgd", "op-bound-residual"):
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -82,6 +87,23 @@ def build(kind: str) -> tuple[Callable[[], object], int]:
         return loss
 
     return step, steps
+
+
+def _Residual(torch: object, width: int) -> object:
+    nn = torch.nn  # type: ignore[attr-defined]
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+            self.head = nn.Linear(width, 1)
+
+        def forward(self, h: object) -> object:
+            for block in self.blocks:
+                h = h + 0.5 * torch.relu(block(h))  # type: ignore[attr-defined, operator]
+            return self.head(h)
+
+    return Residual()
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:

@@ -20,6 +20,7 @@ __all__ = [
     "ArgumentKind",
     "Choice",
     "Flag",
+    "Fraction",
     "Integer",
     "Number",
     "SiteList",
@@ -155,6 +156,30 @@ class Number(ArgumentKind):
 
     def schema(self) -> dict[str, Any]:
         return {"type": self.json_type, "exclusiveMinimum": self.above}
+
+
+@dataclass(frozen=True)
+class Fraction(ArgumentKind):
+    """A number from 0 to 1 (a share of the steps); ``None`` too when ``optional``."""
+
+    optional: bool = False
+
+    @property
+    def json_type(self) -> Any:  # type: ignore[override]
+        return ["number", "null"] if self.optional else "number"
+
+    def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:
+        if value is None and self.optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise self.error(where, name, value, meaning)
+        return float(value)
+
+    def describe(self, meaning: str = "") -> str:
+        return "a number from 0 to 1" + _about(meaning) + (" or None" if self.optional else "")
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": self.json_type, "minimum": 0, "maximum": 1}
 
 
 @dataclass(frozen=True)

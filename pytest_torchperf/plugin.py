@@ -25,7 +25,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import results, stacks
+from . import project, results, stacks
 from .arguments import UsageError, suggest
 from .options import OVERHEAD_INCONCLUSIVE, OVERHEAD_ROUNDS, SCOPES, Options, describe_options, parse_options
 from .report import FAILED, INCONCLUSIVE, NOT_CHECKED, Inconclusive, InvariantViolation, Report, settle
@@ -57,6 +57,8 @@ class Settings:
     json_path: Optional[str] = None
     threads: str = "auto"  # "auto", "off" or a positive integer
     overhead_inconclusive: Optional[str] = None  # None: each marker's own default
+    max_sync_rate: Optional[float] = None  # None: each marker's own default
+    user_packages: tuple[str, ...] = ()  # import names counted as the user's code even when installed
 
 
 def _scope_arg(value: str) -> str:
@@ -79,6 +81,20 @@ def _threads_arg(value: str) -> str:
     if value in ("auto", "off") or (value.isdigit() and int(value) > 0):
         return value
     raise argparse.ArgumentTypeError(f"must be 'auto', 'off' or a positive integer, got {value!r}")
+
+
+def _rate_arg(value: str) -> float:
+    try:
+        rate = float(value)
+    except ValueError:
+        rate = -1.0
+    if not 0 <= rate <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {value!r}")
+    return rate
+
+
+def _packages_arg(value: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in value.replace(",", " ").split() if name.strip())
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -121,6 +137,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "overhead_rounds) does to the test: fail (default), skip, or warn (pass with a warning); a marker's own "
         "overhead_inconclusive= wins (ini: torchperf_overhead_inconclusive)",
     )
+    group.addoption(
+        "--torchperf-max-sync-rate",
+        metavar="RATE",
+        type=_rate_arg,
+        default=None,
+        help="default max_sync_rate of no_host_sync: a site that syncs in at most this share of the steps "
+        "(0.1: every 10th step or rarer) or once per epoch is a note; 0 fails on every sync "
+        "(a marker's own max_sync_rate= wins; ini: torchperf_max_sync_rate)",
+    )
+    group.addoption(
+        "--torchperf-user-packages",
+        metavar="NAMES",
+        type=_packages_arg,
+        default=None,
+        help="comma-separated import packages that are your code even when installed in site-packages "
+        "(the rootdir project's own packages always are; ini: torchperf_user_packages)",
+    )
     parser.addini("torchperf_json", "write the torchperf JSON report to this path", type="string", default="")
     parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
     parser.addini("torchperf_report_only", "report broken invariants without failing tests", type="bool", default=False)
@@ -130,6 +163,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"what an inconclusive max_overhead verdict does: {', '.join(OVERHEAD_INCONCLUSIVE)}",
         type="string",
         default="",
+    )
+    parser.addini("torchperf_max_sync_rate", "default max_sync_rate of no_host_sync (0 to 1)", type="string", default="")
+    parser.addini(
+        "torchperf_user_packages", "import packages that are your code even when installed", type="args", default=[]
     )
 
 
@@ -156,8 +193,20 @@ def resolve_settings(config: pytest.Config) -> Settings:
     inconclusive = config.getoption("torchperf_overhead_inconclusive") or ini(
         "torchperf_overhead_inconclusive", _inconclusive_arg
     )
+    max_sync_rate = config.getoption("torchperf_max_sync_rate")
+    if max_sync_rate is None:
+        max_sync_rate = ini("torchperf_max_sync_rate", _rate_arg)
+    named = config.getoption("torchperf_user_packages")
+    where = "--torchperf-user-packages"
+    if named is None:
+        named, where = tuple(config.getini("torchperf_user_packages") or ()), "ini option torchperf_user_packages"
+    try:
+        user_packages = project.check_names(named, where)
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
     return Settings(
-        scope=scope, report_only=report_only, json_path=json_path, threads=threads, overhead_inconclusive=inconclusive
+        scope=scope, report_only=report_only, json_path=json_path, threads=threads,
+        max_sync_rate=max_sync_rate, user_packages=user_packages, overhead_inconclusive=inconclusive,
     )
 
 
@@ -206,6 +255,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     settings = config.stash[_SETTINGS] = resolve_settings(config)
     stacks.set_display_root(str(config.rootpath))
+    _count_user_packages(config, settings)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         lock = workerinput.get("torchperf_timing_lock")
@@ -219,6 +269,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_Recorder(config, settings), "torchperf-recorder")
 
 
+def _count_user_packages(config: pytest.Config, settings: Settings) -> None:
+    """Tell the frame classifier which installed packages are the user's (restored when the session ends)."""
+    named_by = "--torchperf-user-packages" if config.getoption("torchperf_user_packages") else "torchperf_user_packages"
+    packages = project.user_packages(str(config.rootpath), settings.user_packages, named_by)
+    previous = stacks.classify.set_user_packages(packages)
+    config.add_cleanup(lambda: stacks.classify.set_user_packages(previous))
+
+
 # -- watching a test ------------------------------------------------------------------------
 
 
@@ -229,6 +287,8 @@ def _session_defaults(config: pytest.Config) -> dict[str, Any]:
         defaults["scope"] = settings.scope
     if settings.overhead_inconclusive:
         defaults["overhead_inconclusive"] = settings.overhead_inconclusive
+    if settings.max_sync_rate is not None:
+        defaults["max_sync_rate"] = settings.max_sync_rate
     return defaults
 
 

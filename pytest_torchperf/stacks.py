@@ -16,7 +16,18 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-__all__ = ["Frame", "Stack", "capture", "site_of", "format_stack", "display_path", "until_user_frame"]
+__all__ = [
+    "Frame",
+    "Stack",
+    "UserPackage",
+    "capture",
+    "classify",
+    "display_path",
+    "format_stack",
+    "package_locations",
+    "site_of",
+    "until_user_frame",
+]
 
 # Frame kinds, from "never interesting" to "the user's own line".
 TORCHPERF = "torchperf"
@@ -65,13 +76,55 @@ class Frame:
 Stack = tuple
 
 
+@dataclass(frozen=True)
+class UserPackage:
+    """A package that is the user's own code wherever it is installed (site-packages included).
+
+    ``name`` is its import name (``"mypkg"``, ``"acme.tools"``); ``rule`` says
+    why it counts as the user's code (shown in reports); ``paths`` are install
+    locations known from its distribution's metadata (directories or ``.py``
+    files), looked at beside wherever the name is importable from now.
+    """
+
+    name: str
+    rule: str
+    paths: tuple[str, ...] = ()
+
+
+#: Directory names that hold installed distributions: a library lives below one of them.
+_SITE_NAMES = ("site-packages", "dist-packages")
+
+
 class _Classifier:
-    """Maps a file name to a frame kind, by the directories packages live in."""
+    """Maps a file name to a frame kind, by the directories packages live in.
+
+    In order: torchperf's own files; the user's packages (:meth:`set_user_packages`:
+    the project under test and the packages named in the settings, user code
+    even when installed in site-packages); torch, the frameworks and pytest by
+    package; then anything below a site-packages directory is a library and
+    anything below the standard library is the standard library; the rest is
+    the user's. :meth:`rule` says which of these rules decided a file.
+    """
 
     def __init__(self) -> None:
         self._cache: dict[str, str] = {}
         self._roots: Optional[list[tuple[str, str]]] = None
         self._prefixes: Optional[list[tuple[str, str]]] = None
+        self._user_packages: tuple[UserPackage, ...] = ()
+        #: Root directory (or exact ``.py`` file) -> the user package it belongs to.
+        self._user_roots: dict[str, UserPackage] = {}
+
+    # -- configuration ---------------------------------------------------------------------
+    def set_user_packages(self, packages: Sequence[UserPackage]) -> tuple[UserPackage, ...]:
+        """Count these packages as the user's code from now on; returns the previous setting."""
+        previous = self._user_packages
+        self._user_packages = tuple(packages)
+        self.reset()
+        return previous
+
+    @property
+    def user_packages(self) -> tuple[UserPackage, ...]:
+        return self._user_packages
 
     def _package_dir(self, name: str) -> Optional[str]:
         module = sys.modules.get(name)
@@ -80,15 +133,40 @@ class _Classifier:
             return None
         return os.path.dirname(os.path.realpath(path)) + os.sep
 
+    def _user_locations(self, package: UserPackage) -> list[str]:
+        """Where ``package`` is installed: its known paths and wherever it is importable from now."""
+        found = [p for p in package.paths if p]
+        module = sys.modules.get(package.name)
+        if module is not None:
+            found.extend(getattr(module, "__path__", None) or [])
+            if getattr(module, "__file__", None) and not hasattr(module, "__path__"):
+                found.append(module.__file__)
+        else:
+            found.extend(package_locations(package.name))
+        out = []
+        for path in found:
+            try:
+                real = os.path.realpath(path)
+            except (OSError, ValueError):  # pragma: no cover
+                continue
+            out.append(real + os.sep if os.path.isdir(real) else real)
+        return out
+
     def _build(self) -> None:
         roots: list[tuple[str, str]] = []
         own = os.path.dirname(os.path.realpath(__file__)) + os.sep
         roots.append((own, TORCHPERF))
+        self._user_roots = {}
+        for package in self._user_packages:
+            for root in self._user_locations(package):
+                if root != own and not own.startswith(root):
+                    self._user_roots.setdefault(root, package)
         for kind, names in ((TORCH, _TORCH_PACKAGES), (FRAMEWORK, FRAMEWORK_PACKAGES), (PYTEST, _PYTEST_PACKAGES)):
             for name in names:
                 root = self._package_dir(name)
-                if root:
+                if root and root not in self._user_roots:
                     roots.append((root, kind))
+        roots.extend((root, USER) for root in self._user_roots)
         # Longest root first, so a package inside another one wins.
         roots.sort(key=lambda item: len(item[0]), reverse=True)
         self._roots = roots
@@ -100,6 +178,12 @@ class _Classifier:
             site_dirs.update(site.getsitepackages())
         except AttributeError:  # pragma: no cover - old virtualenv
             pass
+        try:
+            site_dirs.add(site.getusersitepackages())
+        except AttributeError:  # pragma: no cover
+            pass
+        # Any other site directory on the path (a tox or nox environment, a --target install).
+        site_dirs.update(p for p in sys.path if isinstance(p, str) and os.path.basename(p.rstrip(os.sep)) in _SITE_NAMES)
         for d in site_dirs:
             if d:
                 prefixes.append((os.path.realpath(d) + os.sep, LIBRARY))
@@ -123,24 +207,94 @@ class _Classifier:
             kind = STDLIB if filename.startswith(("<frozen", "<string>")) else USER
         else:
             path = os.path.realpath(filename)
-            kind = USER
-            for root, root_kind in self._roots:
-                if path.startswith(root):
-                    kind = root_kind
-                    break
-            else:
-                for prefix, prefix_kind in self._prefixes:
-                    if path.startswith(prefix):
-                        kind = prefix_kind
-                        break
+            kind = USER if path in self._user_roots else self._kind_of(path)
         self._cache[filename] = kind
         return kind
+
+    def _kind_of(self, path: str) -> str:
+        assert self._roots is not None and self._prefixes is not None
+        for root, root_kind in self._roots:
+            if path.startswith(root):
+                return root_kind
+        for prefix, prefix_kind in self._prefixes:
+            if path.startswith(prefix):
+                return prefix_kind
+        return USER
+
+    def _user_package_of(self, path: str) -> Optional[UserPackage]:
+        package = self._user_roots.get(path)
+        if package is not None:
+            return package
+        best = None
+        for root, candidate in self._user_roots.items():
+            if root.endswith(os.sep) and path.startswith(root) and (best is None or len(root) > len(best[0])):
+                best = (root, candidate)
+        return best[1] if best else None
+
+    def _installed(self, path: str) -> bool:
+        assert self._prefixes is not None
+        return any(path.startswith(prefix) for prefix, kind in self._prefixes if kind == LIBRARY)
+
+    def rule(self, filename: str) -> str:
+        """Which rule classified ``filename``, in words (for reports)."""
+        kind = self(filename)
+        if filename.startswith("<"):
+            return "code without a file: your code" if kind == USER else "the import system"
+        path = os.path.realpath(filename)
+        if kind == USER:
+            package = self._user_package_of(path)
+            if package is not None:
+                where = " installed in site-packages" if self._installed(path) else ""
+                return f"package {package.name}{where}: {package.rule}"
+            return "outside site-packages and the standard library: your code"
+        if kind == LIBRARY:
+            return "installed in site-packages: a library (name it in torchperf_user_packages if it is yours)"
+        return {
+            FRAMEWORK: "the training framework's own code",
+            TORCH: "torch's own code",
+            PYTEST: "pytest's own code",
+            STDLIB: "the Python standard library",
+            TORCHPERF: "pytest-torchperf's own code",
+        }.get(kind, kind)
+
+    def rule_matters(self, filename: str) -> bool:
+        """Whether ``filename`` is the user's only because a user-package rule says so (it is installed)."""
+        if self(filename) != USER or filename.startswith("<"):
+            return False
+        path = os.path.realpath(filename)
+        return self._user_package_of(path) is not None and self._installed(path)
 
     def reset(self) -> None:
         """Forget package locations (a package imported later gets classified)."""
         self._cache.clear()
         self._roots = None
         self._prefixes = None
+
+
+def package_locations(name: str) -> list[str]:
+    """Where ``name`` (``"pkg"`` or ``"pkg.sub"``) would be imported from, without importing it."""
+    from importlib.machinery import PathFinder
+
+    parts = name.split(".")
+    try:
+        spec = PathFinder.find_spec(parts[0])
+    except (ImportError, ValueError):  # pragma: no cover - a broken path entry
+        return []
+    if spec is None:
+        return []
+    locations = list(spec.submodule_search_locations or [])
+    if not locations:
+        return [spec.origin] if spec.origin and len(parts) == 1 else []
+    for part in parts[1:]:
+        found = []
+        for base in locations:
+            candidate = os.path.join(base, part)
+            if os.path.isdir(candidate):
+                found.append(candidate)
+            elif os.path.isfile(candidate + ".py"):
+                return [candidate + ".py"] if part == parts[-1] else []
+        locations = found
+    return locations
 
 
 classify = _Classifier()
@@ -196,8 +350,7 @@ def display_path(filename: str) -> str:
         for root in candidates:
             if path.startswith(root):
                 return path[len(root):]
-        return path
-    # Library code: relative to the directory that holds the package.
+    # Installed code (a library, or a user package in site-packages): relative to the directory that holds it.
     assert classify._prefixes is not None
     for prefix, _ in classify._prefixes:
         if path.startswith(prefix):

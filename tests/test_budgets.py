@@ -66,7 +66,8 @@ def test_syncs_outside_steps_are_never_covered_by_a_budget() -> None:
     model = torch.nn.Linear(4, 1)
     with pytest.raises(InvariantViolation) as excinfo:
         with watch(scope="test", max_syncs_per_step=5):
-            model(torch.randn(2, 4)).sum().item()
+            for _ in range(2):  # a single sync in the whole run would be a one-off note
+                model(torch.randn(2, 4)).sum().item()
     assert excinfo.value.report["no_host_sync"].status == "failed"
 
 

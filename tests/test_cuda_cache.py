@@ -33,7 +33,7 @@ def test_empty_cache_in_training_step_fails_with_count_site_and_hint(user_models
         [
             "*torchperf: 1 invariant broken: no_empty_cache (8 torch.cuda.empty_cache() calls by your code)",
             "*torchperf: no_empty_cache*",
-            "torch.cuda.empty_cache() called 8 times by your code during the run",
+            "torch.cuda.empty_cache() called 8 times by your code during the run: 1 per step over 8 steps",
             "  8 of these calls inside a training step (8 steps ran)",
             "  the framework made * more (not counted)",
             "  torch.cuda.empty_cache() called (8x) at test_fit.py:8 in training_step [[]your code[]]",
@@ -57,29 +57,52 @@ def test_lightning_own_call_is_listed_not_blamed(tmp_path) -> None:
     assert check.figures["calls"] == 0
 
 
-def test_a_call_outside_the_steps_counts_too() -> None:
-    def body(run) -> None:
+def test_a_call_after_training_is_a_note_and_one_after_every_batch_fails() -> None:
+    def once(run) -> None:
         train(run, torch.nn.Linear(8, 1), loader(), epochs=1)
         torch.cuda.empty_cache()  # "free memory after training"
 
-    check = report_of(body, no_empty_cache=True)["no_empty_cache"]
-    assert check.status == FAILED
-    assert check.count == 1
-    assert check.figures == {
-        "calls": 1,
-        "calls_in_scope": 0,
-        "steps": 5,
-        "framework_calls": 0,
-        "framework_sites": [],
-    }
+    check = report_of(once, no_empty_cache=True)["no_empty_cache"]
+    assert check.status == PASSED, check.summary
+    assert check.count == 0
+    assert check.figures["calls"] == 1 and check.figures["periodic_calls"] == 1
     (finding,) = check.findings
-    assert finding.title == "torch.cuda.empty_cache() called once by your code during the run"
+    assert finding.title == "note: torch.cuda.empty_cache() called by your code: once: 1 time outside training steps"
     assert finding.sites[0].frame.source == 'torch.cuda.empty_cache()  # "free memory after training"'
+
+    def every_batch(run) -> None:
+        model = torch.nn.Linear(8, 1)
+        for x, y in loader():
+            with run.step():
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            torch.cuda.empty_cache()  # between the steps, after every one
+
+    check = report_of(every_batch, no_empty_cache=True)["no_empty_cache"]
+    assert check.status == FAILED
+    assert check.count == 5
+    assert check.findings[0].title.endswith("during the run: 5 times outside training steps")
+
+
+def test_once_per_epoch_is_a_note_and_every_step_fails_with_the_rate_setting() -> None:
+    def per_epoch(run) -> None:
+        model = torch.nn.Linear(8, 1)
+        for epoch in range(3):
+            for i, (x, y) in enumerate(loader()):
+                with run.step():
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    if i == 0:
+                        torch.cuda.empty_cache()
+
+    check = report_of(per_epoch, no_empty_cache=True)["no_empty_cache"]
+    assert check.status == PASSED, check.summary
+    assert check.findings[0].title == "note: torch.cuda.empty_cache() called by your code: once per epoch: 3 of 15 steps"
+    check = report_of(per_epoch, no_empty_cache=True, max_empty_cache_rate=0)["no_empty_cache"]
+    assert check.status == FAILED and check.count == 3
 
 
 def test_calls_through_torch_cuda_memory_are_seen() -> None:
     check = report_of(lambda run: torch.cuda.memory.empty_cache(), no_empty_cache=True)["no_empty_cache"]
-    assert check.count == 1
+    assert check.figures["calls"] == 1
 
 
 def test_off_by_default(user_models: pytest.Pytester) -> None:

@@ -60,7 +60,8 @@ def test_iterator_set_to_none_fails_at_the_line_that_dropped_it(user_models: pyt
         [
             "*torchperf: 1 invariant broken: no_iterator_reset (2 extra worker pools in 1 loader)*",
             "*- torchperf: no_iterator_reset -*",
-            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) started 3 worker pools;*",
+            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) (first iterated at "
+            "test_drop.py:10) started 3 worker pools;*",
             "*worker pools started in: pass 1, pass 2, pass 3",
             "*iterator set to None (2x) at test_drop.py:4 in reset [[]your code[]]",
             "*loader._iterator = None",
@@ -115,8 +116,8 @@ def test_non_persistent_loader_over_several_epochs_fails_with_a_hint(user_models
     result.stdout.fnmatch_lines(
         [
             "*no_iterator_reset (3 extra worker pools in 1 loader)*",
-            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=False) started a new worker pool "
-            "in each of its 4 epochs",
+            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=False) (first iterated at "
+            "test_np.py:7) started a new worker pool in each of its 4 epochs",
             "*worker pool rebuilt (3x) at test_np.py:7 in test_loop*",
             "*hint: pass persistent_workers=True to this DataLoader*",
         ]
@@ -172,7 +173,7 @@ def test_subclass_overriding_get_iterator_is_still_counted(user_models: pytest.P
     )
     result = user_models.runpytest()
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["MyLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) started 2*"])
+    result.stdout.fnmatch_lines(["MyLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) (*) started 2*"])
 
 
 def test_check_can_be_switched_off(user_models: pytest.Pytester) -> None:
@@ -237,7 +238,8 @@ def test_lightning_val_loader_without_persistent_workers_fails(user_models: pyte
     result.stdout.fnmatch_lines(
         [
             "*no_iterator_reset (2 extra worker pools in 1 loader)*",
-            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=False) started a new worker pool "
+            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=False) (built at "
+            "torchperf_models.py:25, called from test_val.py:7) started a new worker pool "
             "in each of its 3 epochs (and the sanity check)",
             "*worker pools started in: sanity check, epoch 0 (validate), epoch 1 (validate), epoch 2 (validate)",
             "*worker pool rebuilt (2x) at *pytorch_lightning/*[[]framework code[]]",
@@ -266,3 +268,122 @@ def test_each_trainer_call_may_start_its_own_pool(user_models: pytest.Pytester) 
     result = user_models.runpytest("-p", "no:warnings")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*no_iterator_reset: passed (1 loader with workers, 2 worker pools started)*"])
+
+
+# -- a loader rebuilt every epoch ------------------------------------------------------
+
+
+def test_a_loader_rebuilt_every_epoch_from_the_same_line_fails(user_models: pytest.Pytester) -> None:
+    """A new DataLoader object each epoch passes the per-loader count: each starts one pool, all from one line."""
+    user_models.makepyfile(
+        test_rebuilt="""
+        from torch.utils.data import DataLoader
+        from torchperf_models import RandomDataset
+
+        def test_loop(torchperf):
+            dataset = RandomDataset()
+            with torchperf.watch() as run:
+                for epoch in range(3):
+                    loader = DataLoader(dataset, batch_size=8, num_workers=2)
+                    for batch in loader:
+                        with run.step():
+                            pass
+            assert run.report["no_iterator_reset"].figures["loaders"][0]["built_at"] == "test_rebuilt.py:8"
+        """
+    )
+    result = user_models.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*no_iterator_reset (2 extra worker pools in 1 loader)*",
+            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=False) built at test_rebuilt.py:8 "
+            "was built again twice, and each new loader started its own worker pool: 3 pools",
+            "  worker pools started in: pass 1, pass 1, pass 1",
+            "  DataLoader built at test_rebuilt.py:8 in test_loop [[]your code[]]",
+            "*worker pool started by a rebuilt loader (2x) at test_rebuilt.py:9 in test_loop*",
+            "  hint: build this DataLoader once, outside the epoch loop, with persistent_workers=True*",
+        ]
+    )
+
+
+def test_loaders_built_by_one_helper_for_train_and_val_are_not_one_loader(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(
+        """
+        from torchperf_models import make_loader
+
+        def test_loop(torchperf):
+            with torchperf.watch() as run:
+                train = make_loader(num_workers=2, persistent_workers=True)
+                val = make_loader(num_workers=2, persistent_workers=True)
+                for epoch in range(2):
+                    for batch in train:
+                        pass
+                    for batch in val:
+                        pass
+            check = run.report["no_iterator_reset"]
+            assert check.status == "passed", check.summary
+            names = sorted(entry["loader"] for entry in check.figures["loaders"])
+            assert names[0].endswith("(built at torchperf_models.py:25, called from test_loaders_built_by_one_helper_for_train_and_val_are_not_one_loader.py:5)")
+            assert names[1].endswith("(built at torchperf_models.py:25, called from test_loaders_built_by_one_helper_for_train_and_val_are_not_one_loader.py:6)")
+        """
+    )
+    user_models.runpytest().assert_outcomes(passed=1)
+
+
+def test_lightning_reload_dataloaders_every_n_epochs_is_named_as_the_cause(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(
+        test_reload="""
+        import pytest
+        from torchperf_models import TinyModule, make_loader, make_trainer
+
+        class Reloading(TinyModule):
+            def train_dataloader(self):
+                return make_loader(num_workers=2, persistent_workers=True)
+
+        @pytest.mark.torchperf
+        def test_fit(tmp_path):
+            trainer = make_trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, reload_dataloaders_every_n_epochs=1)
+            trainer.fit(Reloading())
+        """
+    )
+    result = user_models.runpytest("-p", "no:warnings")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*no_iterator_reset (2 extra worker pools in 1 loader)*",
+            "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) built at "
+            "torchperf_models.py:25 was built again twice*: 3 pools",
+            "  worker pools started in: epoch 0 (train), epoch 1 (train), epoch 2 (train)",
+            "  the Trainer has reload_dataloaders_every_n_epochs=1: Lightning calls your *_dataloader() hook again "
+            "every epoch",
+            "*> test_reload.py:6 in train_dataloader",
+            "  hint: Trainer(reload_dataloaders_every_n_epochs=1) rebuilds the loaders, and each new one starts its "
+            "own worker pool*",
+        ]
+    )
+
+
+def test_two_loaders_built_by_one_line_and_used_side_by_side_are_two_loaders(user_models: pytest.Pytester) -> None:
+    """``fit(model, make_loader(), make_loader())``: the same lines build both, but neither replaces the other."""
+    user_models.makepyfile(
+        test_pair="""
+        import pytest
+        from torchperf_models import TinyModule, make_loader, make_trainer
+
+        @pytest.mark.torchperf
+        def test_fit(tmp_path):
+            trainer = make_trainer(tmp_path, max_epochs=3)
+            trainer.fit(TinyModule(), make_loader(num_workers=2), make_loader(num_workers=2))
+        """
+    )
+    result = user_models.runpytest("-p", "no:warnings", "--torchperf-json=out.json")
+    result.assert_outcomes(passed=1)
+    import json
+
+    doc = json.loads((user_models.path / "out.json").read_text())
+    names = sorted(e["loader"] for e in doc["tests"][0]["checks"]["no_iterator_reset"]["figures"]["loaders"])
+    assert names == [
+        "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) (built at torchperf_models.py:25, "
+        f"called from test_pair.py:7, the {which} built there)"
+        for which in ("first", "second")
+    ]

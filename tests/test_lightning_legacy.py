@@ -46,8 +46,9 @@ def test_pytorch_lightning_1_5_0_fails_with_the_stack_that_dropped_the_iterator(
     assert "torchperf: 1 invariant broken: no_iterator_reset (7 extra worker pools in 2 loaders)" in out
     # The train loader: one pool per epoch instead of one for the fit.
     assert (
-        "DataLoader(dataset=SlowToOpenDataset, num_workers=2, persistent_workers=True) started 4 worker pools"
-        in out
+        "DataLoader(dataset=SlowToOpenDataset, num_workers=2, persistent_workers=True) (built at "
+        "examples/seed_bug/test_seed_bug.py:61, called from examples/seed_bug/test_seed_bug.py:81, the first built "
+        "there) started 4 worker pools" in out
     )
     assert "worker pools started in: epoch 0 (train), epoch 1 (train), epoch 2 (train), epoch 3 (train)" in out
     # The frame the seed's author found by hand, with the stack that led there.

@@ -1,37 +1,135 @@
-"""What the step checks (``no_host_sync``, ``on_device``) share: per-step counts and their verdict."""
+"""What the step checks (``no_host_sync``, ``on_device``) share: per-step counts, cadence, and their verdict.
+
+A *site* (one operation at one line) is counted per step (``per_unit``),
+outside steps (``outside``) and per epoch (a pass over a DataLoader, see
+:class:`PerStep`). :func:`cadence` tells a site that repeats in most steps
+from one that repeats on a period, like real projects keep their logging:
+
+- ``every step`` (or nearly): fails;
+- ``periodic``: after its first step, the site was seen in at most
+  ``limit`` of the observed steps (``limit=0.1``: every 10th step or rarer;
+  ``if step % 10 == 0:`` is seen at step 0, so the first one is free);
+- ``once per epoch``: at most once in each pass over the training data
+  (steps with an event, and events outside steps, counted per epoch), and
+  not in every step;
+- ``once``: a single step (or a single event outside steps) in the run.
+
+A run too short to show a period is judged by what it shows: one step with
+an event among several is ``once``; a site seen in every observed step is
+never periodic (a 1-step run fails any event); and telling every 5th step
+from every 10th needs about 2/limit steps (20 for the default).
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding
-from ..stacks import Stack
 from ..text import plural
 
 if TYPE_CHECKING:
     from ..core import Run
 
-__all__ = ["PerStep", "frequency", "over_budget", "short", "step_verdict"]
+__all__ = [
+    "DEFAULT_RATE",
+    "ONCE",
+    "PER_EPOCH",
+    "PERIODIC",
+    "PerStep",
+    "cadence",
+    "cadence_text",
+    "extent",
+    "frequency",
+    "over_budget",
+    "rate",
+    "step_verdict",
+]
+
+#: The default of ``max_sync_rate`` / ``max_empty_cache_rate``: every 10th step or rarer is periodic.
+#: Chosen from the logging intervals real projects keep after fixing a per-step ``.item()``
+#: (10 in pytorch/examples' MNIST, torchtitan's log_freq and DeepSpeed's steps_per_print;
+#: 50 in timm and Lightning's log_every_n_steps; 500 in the Hugging Face Trainer; once per epoch),
+#: while the bugs they fixed synced in every step (1.0), every other step (0.5) or at each optimizer
+#: step under 2-4 steps of gradient accumulation (0.5-0.25). See the README.
+DEFAULT_RATE = 0.1
+
+PERIODIC = "periodic"
+PER_EPOCH = "once per epoch"
+ONCE = "once"
 
 
 class PerStep:
-    """How often one thing happened: in total, per step, and outside steps."""
+    """How often one thing happened: in total, per step, outside steps and per epoch.
+
+    ``epoch`` is whatever the check counts epochs with (passes over DataLoaders);
+    the same epoch value for every event when nothing marks epochs.
+    """
 
     def __init__(self) -> None:
         self.count = 0
         self.per_unit: dict[int, int] = {}
         self.outside = 0
+        #: epoch -> steps with an event in that epoch.
+        self.steps_per_epoch: dict[int, int] = {}
+        #: epoch -> events outside steps in that epoch.
+        self.outside_per_epoch: dict[int, int] = {}
 
-    def add(self, unit: Optional[int]) -> None:
+    def add(self, unit: Optional[int], epoch: int = 0) -> None:
         self.count += 1
         if unit is None:
             self.outside += 1
+            self.outside_per_epoch[epoch] = self.outside_per_epoch.get(epoch, 0) + 1
         else:
-            self.per_unit[unit] = self.per_unit.get(unit, 0) + 1
+            seen = self.per_unit.get(unit, 0)
+            self.per_unit[unit] = seen + 1
+            if not seen:
+                self.steps_per_epoch[epoch] = self.steps_per_epoch.get(epoch, 0) + 1
 
     @property
     def per_step_max(self) -> int:
         return max(self.per_unit.values()) if self.per_unit else 0
+
+
+def rate(item: PerStep, total: int) -> Optional[float]:
+    """The fraction of the observed steps in which ``item`` happened (None when no step was observed)."""
+    steps = len(item.per_unit)
+    total = max(total, steps)
+    return round(steps / total, 4) if total else None
+
+
+def cadence(item: PerStep, total: int, limit: Optional[float]) -> Optional[str]:
+    """:data:`PERIODIC`, :data:`PER_EPOCH` or :data:`ONCE` for a site that repeats rarely; None otherwise.
+
+    ``total``: the steps the run observed; ``limit``: the largest rate still
+    periodic (None or 0: nothing is, every event counts). See the module's docstring.
+    """
+    if not limit or limit <= 0:
+        return None
+    steps = len(item.per_unit)
+    total = max(total, steps)
+    if steps and steps >= total:
+        return None  # in every observed step
+    per_epoch: dict[int, int] = dict(item.steps_per_epoch)
+    for epoch, n in item.outside_per_epoch.items():
+        per_epoch[epoch] = per_epoch.get(epoch, 0) + n
+    if per_epoch and max(per_epoch.values()) <= 1:
+        return ONCE if len(per_epoch) == 1 else PER_EPOCH
+    outside_ok = max(item.outside_per_epoch.values(), default=0) <= 1
+    if steps and outside_ok and steps - 1 <= limit * total:
+        return PERIODIC
+    return None
+
+
+def cadence_text(kind: str, item: PerStep, total: int, unit: str = "step") -> str:
+    """``"periodic: 4 of 40 steps"``, ``"once per epoch: 3 of 12 steps"``, ``"once: 1 time outside training steps"``."""
+    steps = len(item.per_unit)
+    total = max(total, steps)
+    parts = []
+    if steps:
+        parts.append(f"{steps} of {plural(total, unit)}")
+    if item.outside:
+        parts.append(f"{plural(item.outside, 'time')} outside training steps")
+    return f"{kind}: {', '.join(parts) or 'never'}"
 
 
 def frequency(per_unit: dict[int, int], outside: int, total: int, unit: str = "step") -> str:
@@ -59,6 +157,14 @@ def frequency(per_unit: dict[int, int], outside: int, total: int, unit: str = "s
     return ", ".join(parts) or "never"
 
 
+def extent(run: "Run") -> str:
+    """What the run covered, for summaries: ``"over 12 steps"``, or under scope="test" ``"in the whole test"``."""
+    total = run.units
+    if run.scope == "test":
+        return f"in the whole test ({plural(total, run.unit_name)})" if total else "in the whole test"
+    return f"over {plural(total, run.unit_name)}"
+
+
 def over_budget(per_units: Iterable[dict[int, int]], outside: int, budget: Optional[int]) -> tuple[int, bool]:
     """``(worst, over)``: the most events in one step (summed over sites) and whether a budget is broken.
 
@@ -73,11 +179,6 @@ def over_budget(per_units: Iterable[dict[int, int]], outside: int, budget: Optio
     if budget is None:
         return worst, bool(per_step) or outside > 0
     return worst, worst > budget or outside > 0
-
-
-def short(stack: Stack) -> Stack:
-    """Your frames and the innermost one: enough to see which of your calls led to a library's event."""
-    return tuple(f for i, f in enumerate(stack) if f.is_user or i == len(stack) - 1)
 
 
 def step_verdict(
@@ -102,7 +203,8 @@ def step_verdict(
     budget (``max_<what>_per_step``) and the figure ``worst_step_<what>``;
     ``within(count, worst, budget)`` words a pass within the budget, ``one_site``
     the summary when one site fails, ``many_sites(count, sites)`` when several
-    do; ``clean`` is the summary's head when nothing fails.
+    do; ``clean`` is the summary's head when nothing fails. A noted site's
+    finding title starts with ``note: `` unless ``finding`` words it itself.
     """
     budget_name = f"max_{what}_per_step"
     budget = getattr(run.options, budget_name)

@@ -7,8 +7,11 @@ and every operation whose output size depends on the data. The probe
 :mod:`pytest_torchperf.probes.syncs` sends each such operation inside the
 scope as an ``on_sync`` event; this check groups them by site (the innermost
 frame outside torch: the user's line, or Lightning's when Lightning made it),
-counts them per step, and fails on the user's own sites. Library syncs are
-notes unless ``fail_on_framework_syncs``; ``allowed_syncs`` accepts known ones;
+counts them per step and per epoch (a pass over a DataLoader), and fails on
+the user's own sites that sync in most steps. A site that syncs on a period
+(every 10th step or rarer with the default ``max_sync_rate=0.1``, once per
+epoch, once) is a note with its rate, as are library syncs (unless
+``fail_on_framework_syncs``); ``allowed_syncs`` accepts known ones;
 ``max_syncs_per_step`` is a budget for code that syncs on purpose.
 """
 
@@ -16,16 +19,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from .. import lightning
 from ..allow import AllowList
-from ..arguments import Argument, Flag, Integer, SiteList
+from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import Located, describe_frame, owner_label, stack_of
 from ..probes.syncs import PROBE, WOULD, Op, Sync
 from ..registry import Invariant
 from ..report import CheckResult, Finding, Site
-from ..stacks import USER, Frame, Stack
+from ..stacks import USER, Frame, Stack, classify
 from ..text import plural
-from ._steps import PerStep, frequency, short, step_verdict
+from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, extent, frequency, rate, step_verdict
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -34,11 +38,12 @@ NAME = "no_host_sync"
 
 # -- what is caught, and what to do instead -------------------------------------------------
 
+_PERIODIC = "reading it every N steps or at epoch end is a periodic sync: a note, not a failure (max_sync_rate={rate})"
+
 _HINTS = {
     "value": (
-        "keep the value on the device: pass the tensor itself to `self.log(...)` (Lightning reduces it "
-        "without waiting), accumulate with tensor ops, and read it with `.item()` only every N steps or "
-        "at epoch end (then list that site in allowed_syncs)"
+        "keep the value on the device: accumulate it with tensor ops (`total += loss.detach()`) and read "
+        "it with `.item()` only every N steps or at epoch end; " + _PERIODIC
     ),
     "host": (
         "keep the values on the device and accumulate them with torch ops or a torchmetrics metric; "
@@ -50,8 +55,8 @@ _HINTS = {
         "of the step"
     ),
     "print": (
-        "printing or formatting a tensor copies it to the host: log the tensor with `self.log(...)`, "
-        "or print only every N steps"
+        "printing or formatting a tensor copies it to the host: print only every N steps or at epoch end, "
+        "from a value accumulated on the device; " + _PERIODIC
     ),
     "shape": (
         "the output size depends on the values, so the CPU must wait for the GPU to learn it: keep shapes "
@@ -78,12 +83,24 @@ _HINTS = {
     ),
 }
 
+#: Inside a Lightning call, the Lightning way to get a value out without waiting.
+_LIGHTNING_HINTS = {
+    "value": (
+        "keep the value on the device: pass the tensor itself to `self.log(...)` (Lightning reduces it "
+        "without waiting), accumulate with tensor ops, and read it with `.item()` only every N steps or "
+        "at epoch end; " + _PERIODIC
+    ),
+    "print": (
+        "printing or formatting a tensor copies it to the host: log the tensor with `self.log(...)` "
+        "(shown in the progress bar with prog_bar=True), or print only every N steps; " + _PERIODIC
+    ),
+}
 
 
 class _SyncSite(PerStep):
     """One operation at one line, as one run saw it."""
 
-    def __init__(self, op: Op, located: Located, stack: Stack, allowed_by: Optional[str]) -> None:
+    def __init__(self, op: Op, located: Located, stack: Stack, allowed_by: Optional[str], in_lightning: bool) -> None:
         super().__init__()
         assert located.frame is not None
         self.op = op
@@ -92,11 +109,15 @@ class _SyncSite(PerStep):
         self.via = located.via
         self.stack = stack
         self.allowed_by = allowed_by
+        #: Seen inside a Lightning Trainer call (the hint then speaks Lightning).
+        self.in_lightning = in_lightning
         self.devices: set[str] = set()
         self.confirmed = 0
+        #: PERIODIC / PER_EPOCH / ONCE, or None: set when the verdict is made.
+        self.cadence: Optional[str] = None
 
-    def record(self, unit: Optional[int], device: str) -> None:
-        self.add(unit)
+    def record(self, unit: Optional[int], epoch: int, device: str) -> None:
+        self.add(unit, epoch)
         self.devices.add(device)
 
     @property
@@ -121,11 +142,12 @@ class _SyncSite(PerStep):
             "per_step_max": self.per_step_max,
             "outside_steps": self.outside,
             "frequency": frequency(self.per_unit, self.outside, total),
+            "rate": rate(self, total),
+            "cadence": self.cadence,
             "devices": sorted(self.devices),
             "cuda_confirmed": self.confirmed,
             "allowed_by": self.allowed_by,
         }
-
 
 
 class HostSyncCheck(Check):
@@ -137,12 +159,18 @@ class HostSyncCheck(Check):
         super().__init__(run)
         self.allow = AllowList(run.options.allowed_syncs)
         self.strict = run.options.fail_on_framework_syncs
+        self.limit: float = run.options.max_sync_rate
         self._sites: dict[Any, _SyncSite] = {}
         self._host_reads_at_start = PROBE.host_reads
         self.host_reads = 0
         self.unavailable: dict[str, str] = {}
+        #: Passes over DataLoaders begun so far: the epoch an event belongs to.
+        self.epoch = 0
 
-    # -- events from the probe ------------------------------------------------------
+    # -- events from the probes ------------------------------------------------------
+    def on_dataloader_pass(self, loader: Any) -> None:
+        self.epoch += 1
+
     def on_sync(self, event: Sync) -> Optional[_SyncSite]:
         located = event.located
         if located.frame is None:
@@ -151,8 +179,9 @@ class HostSyncCheck(Check):
         key = (event.op.name, located.frame.f_code, located.frame.f_lineno, allowed_by)
         site = self._sites.get(key)
         if site is None:
-            site = self._sites[key] = _SyncSite(event.op, located, stack_of(event.frame), allowed_by)
-        site.record(self.run.unit, event.device)
+            in_lightning = lightning.current_call() is not None
+            site = self._sites[key] = _SyncSite(event.op, located, stack_of(event.frame), allowed_by, in_lightning)
+        site.record(self.run.unit, self.epoch, event.device)
         return site
 
     def on_run_end(self) -> None:
@@ -160,9 +189,18 @@ class HostSyncCheck(Check):
         self.unavailable = dict(PROBE.unavailable)
 
     # -- verdict -----------------------------------------------------------------------
+    def _hint(self, site: _SyncSite) -> str:
+        key = site.op.hint
+        text = _LIGHTNING_HINTS.get(key, _HINTS[key]) if site.in_lightning else _HINTS[key]
+        return text.format(rate=f"{self.limit:g}")
+
     def _finding(self, site: _SyncSite, note: str) -> Finding:
         total = self.run.units
-        freq = frequency(site.per_unit, site.outside, total, self.run.unit_name)
+        unit = self.run.unit_name
+        if site.cadence is not None:
+            freq = cadence_text(site.cadence, site, total, unit)
+        else:
+            freq = frequency(site.per_unit, site.outside, total, unit)
         via = f" inside `{site.via}`" if site.via else ""
         title = f"{note}{site.op.label}{via} in {site.frame.function}: {freq}"
         facts = []
@@ -173,37 +211,67 @@ class HostSyncCheck(Check):
             facts.append("on this CPU-only run: would synchronise on an accelerator (the tensor is not one built on the host)")
         else:
             facts.append(f"synchronises on {', '.join(sorted(site.devices - {WOULD}))}")
+        if site.cadence is not None and not site.allowed_by:
+            facts.append(self._cadence_fact(site, total, unit))
+        elif not site.allowed_by and total and self.limit and (site.is_user or self.strict):
+            share = rate(site, total)
+            if share is not None and site.per_unit:
+                facts.append(
+                    f"synced in {len(site.per_unit)} of {plural(total, unit)} (rate {share:.2f}): more often than "
+                    f"max_sync_rate={self.limit:g} allows for a periodic sync"
+                )
         if site.allowed_by:
             facts.append(f"accepted by allowed_syncs entry {site.allowed_by!r}")
         elif not site.is_user:
             owner = owner_label(site.frame)
-            if self.strict:
-                facts.append(f"made by {owner}, not by your code (failing because fail_on_framework_syncs=True)")
+            rule = classify.rule(site.frame.filename)
+            if self.strict and site.cadence is None:
+                facts.append(f"made by {owner}, not by your code ({rule}; failing because fail_on_framework_syncs=True)")
             else:
-                facts.append(f"made by {owner}, not by your code: a note, not a failure (fail_on_framework_syncs=True fails on it)")
+                facts.append(f"made by {owner}, not by your code ({rule}): a note, not a failure"
+                             + ("" if self.strict else " (fail_on_framework_syncs=True fails on it)"))
+        elif classify.rule_matters(site.frame.filename):
+            facts.append(f"counted as your code: {classify.rule(site.frame.filename)}")
         label = site.op.label.split(" (")[0]
-        failing = (site.is_user or self.strict) and not site.allowed_by
-        hint = _HINTS[site.op.hint] if failing else ""
-        # A note keeps its stack short: your frames that led there, and the frame that did it.
-        stack = site.stack if failing else short(site.stack)
-        return Finding(title, facts, [Site(label, stack, site.count)], hint)
+        failing = (site.is_user or self.strict) and not site.allowed_by and site.cadence is None
+        hint = self._hint(site) if failing else ""
+        return Finding(title, facts, [Site(label, site.stack, site.count)], hint)
+
+    def _cadence_fact(self, site: _SyncSite, total: int, unit: str) -> str:
+        share = rate(site, total)
+        what = {
+            "periodic": f"periodic: after its first {unit}, it synced in at most "
+                        f"{self.limit:g} of the {unit}s (max_sync_rate={self.limit:g})",
+            "once per epoch": "at most once per epoch (pass over a DataLoader), and not in every "
+                              f"{unit}",
+            "once": "once in the run",
+        }[site.cadence or "once"]
+        measured = f" (rate {share:.2f})" if share is not None and site.per_unit else ""
+        return f"{what}{measured}: a note, not a failure; max_sync_rate=0 fails on it"
 
     def result(self) -> CheckResult:
         run = self.run
         total = run.units
         sites = sorted(self._sites.values(), key=lambda s: -s.count)
-        failing = [s for s in sites if not s.allowed_by and (s.is_user or self.strict)]
-        noted = [s for s in sites if not s.allowed_by and not (s.is_user or self.strict)]
+        for s in sites:
+            s.cadence = cadence(s, total, self.limit) if not s.allowed_by else None
+        failing = [s for s in sites if not s.allowed_by and (s.is_user or self.strict) and s.cadence is None]
+        noted = [s for s in sites if not s.allowed_by and s not in failing]
         allowed = [s for s in sites if s.allowed_by]
-        user_count = sum(s.count for s in sites if s.is_user and not s.allowed_by)
+        user_count = sum(s.count for s in failing if s.is_user)
+        framework = [s for s in noted if not s.is_user]
+        periodic = [s for s in noted if s.is_user]
         framework_count = sum(s.count for s in sites if not s.is_user and not s.allowed_by)
+        periodic_count = sum(s.count for s in periodic)
         allowed_count = sum(s.count for s in allowed)
         cuda_seen = any(s.devices - {WOULD} for s in sites)
         figures: dict[str, Any] = {
             "scope": run.scope,
             "steps": total,
             "syncs": user_count,
-            "sites": len([s for s in sites if s.is_user and not s.allowed_by]),
+            "sites": len([s for s in failing if s.is_user]),
+            "periodic_syncs": periodic_count,
+            "max_sync_rate": self.limit,
             "framework_syncs": framework_count,
             "allowed_syncs": allowed_count,
             "host_tensor_reads": self.host_reads,
@@ -212,9 +280,11 @@ class HostSyncCheck(Check):
             "events": [s.to_dict(total) for s in sites],
         }
         extras = []
-        if framework_count:
-            owners = sorted({owner_label(s.frame) for s in noted})
-            extras.append(f"{framework_count} in {', '.join(owners)} (noted)")
+        if periodic_count:
+            extras.append(f"{plural(periodic_count, 'periodic sync')} in your code (noted)")
+        if framework:
+            owners = sorted({owner_label(s.frame) for s in framework})
+            extras.append(f"{sum(s.count for s in framework)} in {', '.join(owners)} (noted)")
         if allowed_count:
             extras.append(f"{allowed_count} allowed")
         extras.extend(self.unavailable.values())
@@ -226,7 +296,7 @@ class HostSyncCheck(Check):
 
         def many_sites(count: int, n: int) -> str:
             where = "in your code" if all(s.is_user for s in failing) else "in your code and libraries"
-            return f"{plural(count, 'sync')} at {n} sites {where} over {plural(total, unit)}"
+            return f"{plural(count, 'sync')} at {n} sites {where} {extent(run)}"
 
         return step_verdict(
             NAME, run, what="syncs", failing=failing, noted=noted, allowed=allowed, finding=self._finding,
@@ -235,17 +305,17 @@ class HostSyncCheck(Check):
                 f"{plural(count, 'sync')} in your code, at most {worst} in a {unit}: within max_syncs_per_step={budget}"
             ),
             one_site=one_site, many_sites=many_sites,
-            clean=f"no sync in your code over {plural(total, unit)}", extras=extras,
+            clean=f"no sync in your code {extent(run)}", extras=extras,
         )
 
 
 INVARIANT = Invariant(
     name=NAME,
-    doc="no GPU->CPU synchronisation inside the scope",
+    doc="no GPU->CPU synchronisation inside the scope (a site that syncs on a period is a note)",
     check=HostSyncCheck,
     kind=Flag(),
     default=True,
-    probes=("tensors", "syncs"),
+    probes=("tensors", "syncs", "iterators"),
     arguments=(
         Argument(
             "allowed_syncs",
@@ -267,6 +337,15 @@ INVARIANT = Invariant(
             "pass while no training step makes more than N syncs in your code "
             "(for code that syncs on purpose; syncs outside steps always count)",
             meaning="the most syncs in your code any training step may make",
+        ),
+        Argument(
+            "max_sync_rate",
+            Fraction(),
+            DEFAULT_RATE,
+            "no_host_sync notes, without failing, a site that syncs periodically: after its first step, in "
+            "at most this share of the steps (0.1: every 10th step or rarer), or at most once per epoch; "
+            "0 fails on every sync (ini: torchperf_max_sync_rate)",
+            meaning="the largest share of the steps a periodic sync may take",
         ),
     ),
 )

@@ -13,6 +13,14 @@ segment: Lightning shuts the workers down when a call ends, so the next call
 starting a pool again is expected. Sanity-check passes do not count as an
 epoch of a non-persistent loader (they do count as a pool start of a
 persistent one, which the following epochs must reuse).
+
+A loader *rebuilt* every epoch (a new ``DataLoader`` object from the same
+line, each starting its own pool) is caught too: loaders with workers built
+by the same chain of your lines (:mod:`pytest_torchperf.probes.loaders`
+records where each was built) count as one, so every pool after the first
+in a segment is extra. Lightning's ``reload_dataloaders_every_n_epochs`` is
+named as the cause when the Trainer has it. Each loader is named with the
+line that built it.
 """
 
 from __future__ import annotations
@@ -24,14 +32,17 @@ from .. import lightning
 from ..arguments import Flag
 from ..core import Check
 from ..probes.iterators import DROP, POOL, SHUTDOWN
+from ..probes.loaders import PROBE as LOADERS
 from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
-from ..stacks import Stack
+from ..stacks import Frame, Stack
+from ..text import times
 
 if TYPE_CHECKING:
     from ..core import Run
 
 NAME = "no_iterator_reset"
+_ORDINALS = {1: "first", 2: "second", 3: "third"}
 
 @dataclass
 class _Event:
@@ -51,15 +62,42 @@ class _Loader:
         self.num_workers = int(getattr(loader, "num_workers", 0) or 0)
         self.persistent = bool(getattr(loader, "persistent_workers", False))
         dataset = getattr(loader, "dataset", None)
-        self.description = (
+        self.kind = (
             f"{type(loader).__name__}(dataset={type(dataset).__name__}, "
             f"num_workers={self.num_workers}, persistent_workers={self.persistent})"
         )
+        #: Where it was built (None: built before the run), and your frames on the way there, outermost first.
+        self.created: Optional[Stack] = LOADERS.created.get(loader)
+        #: Its rank among the loaders built while the run watched (None: built before).
+        self.order = next((i for i, built in enumerate(LOADERS.created.keys()) if built is loader), None)
+        mine = [f for f in self.created or () if f.is_user]
+        self.chain: tuple[Frame, ...] = tuple(mine)
+        self.built_at = self.chain[-1].location() if self.chain else None
+        #: Set by the verdict: the name shown in reports (with the line that built it).
+        self.description = self.kind
         self.passes = 0
         self.events: list[_Event] = []
+        #: The check's clock at this loader's first and last pass or pool: when it was in use.
+        self.first_used: Optional[int] = None
+        self.last_used: Optional[int] = None
+
+    def used(self, clock: int) -> None:
+        if self.first_used is None:
+            self.first_used = clock
+        self.last_used = clock
+
+    @property
+    def key(self) -> Optional[tuple[str, ...]]:
+        """The chain of your lines that built it: loaders with the same key are the same loader rebuilt."""
+        return tuple(f.location() for f in self.chain) if self.chain else None
 
     def pools(self, segment: Optional[int] = None) -> list[_Event]:
         return [e for e in self.events if e.kind == POOL and (segment is None or e.segment == segment)]
+
+    def counted_pools(self, segment: int) -> list[_Event]:
+        """The pools of a segment that count (a non-persistent loader's sanity-check pool does not)."""
+        pools = self.pools(segment)
+        return pools if self.persistent else [p for p in pools if not p.sanity]
 
 
 class IteratorResetCheck(Check):
@@ -70,11 +108,19 @@ class IteratorResetCheck(Check):
     def __init__(self, run: "Run") -> None:
         super().__init__(run)
         self._segment = 0
+        self._clock = 0
         self._loaders: dict[int, _Loader] = {}
+        #: Segment -> the Trainer's reload_dataloaders_every_n_epochs, for the segments of a Trainer call.
+        self._reload: dict[int, int] = {}
+        #: Where each loader was built or first iterated: the loaders probe fills it while the run has it.
+        self.log = LOADERS.log_for(run)
 
     # -- events from the probe ----------------------------------------------------
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
         self._segment += 1
+        reload = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
+        if isinstance(reload, int) and reload > 0:
+            self._reload[self._segment] = reload
 
     def _record(self, loader: Any) -> _Loader:
         rec = self._loaders.get(id(loader))
@@ -89,10 +135,15 @@ class IteratorResetCheck(Check):
         return f"pass {rec.passes}", False
 
     def on_dataloader_pass(self, loader: Any) -> None:
-        self._record(loader).passes += 1
+        rec = self._record(loader)
+        rec.passes += 1
+        self._clock += 1
+        rec.used(self._clock)
 
     def on_worker_pool(self, kind: str, loader: Any, stack: Stack, how: str = "") -> None:
         rec = self._record(loader)
+        self._clock += 1
+        rec.used(self._clock)
         label, sanity = self._label(rec)
         rec.events.append(_Event(kind, stack, self._segment, label, sanity, how))
 
@@ -101,11 +152,51 @@ class IteratorResetCheck(Check):
         """Pools beyond the one each segment may start."""
         extra = []
         for segment in sorted({e.segment for e in rec.pools()}):
-            pools = rec.pools(segment)
-            if not rec.persistent:
-                pools = [p for p in pools if not p.sanity]
-            extra.extend(pools[1:])
+            extra.extend(rec.counted_pools(segment)[1:])
         return extra
+
+    def _rebuilt(self, group: list[_Loader]) -> list[tuple[_Loader, _Event]]:
+        """Pools of loaders rebuilt from the same lines beyond the first per segment (each loader's own first).
+
+        Only a succession is a rebuild: each loader in use after the previous one's last use. Two loaders
+        from one line used side by side (``fit(model, loader(True), loader(False))``) are two loaders.
+        """
+        used = sorted((r for r in group if r.first_used is not None), key=lambda r: r.first_used or 0)
+        for before, after in zip(used, used[1:]):
+            if (after.first_used or 0) <= (before.last_used or 0):
+                return []
+        extra = []
+        for segment in sorted({e.segment for rec in group for e in rec.pools()}):
+            firsts = [(rec, pools[0]) for rec in group for pools in [rec.counted_pools(segment)] if pools]
+            extra.extend(firsts[1:])
+        return extra
+
+    def _rebuilt_finding(self, group: list[_Loader], extra: list[tuple[_Loader, _Event]]) -> Finding:
+        first = group[0]
+        pools = [(rec, p) for rec in group for p in rec.pools()]
+        title = (
+            f"{first.kind} built at {first.built_at} was built again {times(len(group) - 1)}, and each new "
+            f"loader started its own worker pool: {len(pools)} pools"
+        )
+        facts = [f"worker pools started in: {', '.join(p.label for _, p in pools)}"]
+        reload = sorted({v for seg, v in self._reload.items() if any(p.segment == seg for _, p in pools)})
+        sites = [Site("DataLoader built", first.created or ())]
+        sites.extend(merge_sites([Site("worker pool started by a rebuilt loader", p.stack) for _, p in extra]))
+        hint = (
+            f"build this DataLoader once, outside the epoch loop, with persistent_workers=True: one pool of "
+            f"{first.num_workers} workers (and their copies of the dataset) then serves every epoch"
+        )
+        if reload:
+            every = reload[0]
+            period = "every epoch" if every == 1 else f"every {every} epochs"
+            facts.append(f"the Trainer has reload_dataloaders_every_n_epochs={every}: Lightning calls your "
+                         f"*_dataloader() hook again {period}")
+            hint = (
+                f"Trainer(reload_dataloaders_every_n_epochs={every}) rebuilds the loaders, and each new one starts "
+                "its own worker pool: drop the option unless the data really changes between epochs, and build "
+                "the loader with persistent_workers=True"
+            )
+        return Finding(title, facts, sites, hint)
 
     def _finding(self, rec: _Loader, extra: list[_Event]) -> Finding:
         pools = rec.pools()
@@ -155,8 +246,46 @@ class IteratorResetCheck(Check):
             )
         return Finding(title, facts, sites, hint)
 
+    def _name(self, loaders: list[_Loader], rebuilt: list[list[_Loader]]) -> None:
+        """Name each loader with the line that built it: the calling line too when two share a helper's line,
+        and which one it is when two come from the very same lines (``fit(m, loader(True), loader(False))``).
+        A loader rebuilt from the same lines takes the name of the first one built."""
+        copies = {id(rec): group[0] for group in rebuilt for rec in group[1:]}
+        named = [rec for rec in loaders if id(rec) not in copies]
+        by_line: dict[Optional[str], int] = {}
+        by_chain: dict[Optional[tuple[str, ...]], list[_Loader]] = {}
+        for rec in named:
+            by_line[rec.built_at] = by_line.get(rec.built_at, 0) + 1
+            by_chain.setdefault(rec.key, []).append(rec)
+        for rec in named:
+            if rec.built_at is None:
+                logged = self.log.records.get(id(rec.loader))
+                stack = logged.first_iterated if logged is not None and logged.ref() is rec.loader else None
+                mine = [f for f in stack or () if f.is_user]
+                where = f"first iterated at {mine[-1].location()}" if mine else "built before the run"
+                rec.description = f"{rec.kind} ({where})"
+                continue
+            where = rec.built_at
+            if by_line[rec.built_at] > 1 and len(rec.chain) > 1:
+                where += f", called from {rec.chain[-2].location()}"
+            twins = sorted(by_chain[rec.key], key=lambda r: r.order if r.order is not None else -1)
+            if len(twins) > 1:
+                where += f", the {_ORDINALS.get(twins.index(rec) + 1, str(twins.index(rec) + 1) + 'th')} built there"
+            rec.description = f"{rec.kind} (built at {where})"
+        for rec in loaders:
+            first = copies.get(id(rec))
+            if first is not None:
+                rec.description = first.description
+
     def result(self) -> CheckResult:
         with_workers = [r for r in self._loaders.values() if r.num_workers > 0]
+        groups: dict[tuple[str, ...], list[_Loader]] = {}
+        for rec in with_workers:
+            if rec.key is not None:
+                groups.setdefault(rec.key, []).append(rec)
+        rebuilt = [(group, self._rebuilt(group)) for group in groups.values() if len(group) > 1]
+        rebuilt = [(group, extra) for group, extra in rebuilt if extra]
+        self._name(with_workers, [group for group, _ in rebuilt])
         findings = []
         extra_total = 0
         for rec in with_workers:
@@ -164,6 +293,9 @@ class IteratorResetCheck(Check):
             if extra:
                 extra_total += len(extra)
                 findings.append(self._finding(rec, extra))
+        for group, extra in rebuilt:
+            extra_total += len(extra)
+            findings.append(self._rebuilt_finding(group, extra))
         pools_total = sum(len(r.pools()) for r in with_workers)
         figures = {
             "loaders_with_workers": len(with_workers),
@@ -173,6 +305,7 @@ class IteratorResetCheck(Check):
             "loaders": [
                 {
                     "loader": r.description,
+                    "built_at": r.built_at,
                     "num_workers": r.num_workers,
                     "persistent_workers": r.persistent,
                     "passes": r.passes,
@@ -207,5 +340,5 @@ INVARIANT = Invariant(
     check=IteratorResetCheck,
     kind=Flag(),
     default=True,
-    probes=("iterators",),
+    probes=("iterators", "loaders"),
 )

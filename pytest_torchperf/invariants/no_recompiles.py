@@ -190,7 +190,9 @@ class RecompileCheck(Check):
         dynamo_hint = next((e.hint for e in reversed(shown) if e.hint), "")
         hint = (
             "each failed guard is a value the compiled code was specialised on. Pass changing numbers as "
-            "tensors (not Python ints/floats or module attributes), keep shapes fixed (drop_last=True) or mark "
+            "tensors kept on the device (built once, updated in place with `t.fill_(value)`: a new "
+            "`torch.tensor(value, device=...)` every step is a blocking copy on CUDA), not Python ints/floats or "
+            "module attributes; keep shapes fixed (drop_last=True) or mark "
             "them dynamic (torch._dynamo.mark_dynamic), and keep train/eval switches out of the steady state; "
             "TORCH_LOGS=recompiles shows every recompile."
         )

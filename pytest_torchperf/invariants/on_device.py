@@ -34,17 +34,19 @@ import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..allow import AllowList
-from ..arguments import Argument, Flag, Integer, SiteList
+from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import describe_frame, locate, owner_label, stack_of
+from .. import lightning
+from ..probes._host import DATA, LEGACY
 from ..probes.tensors import PROBE as TENSORS
 from ..probes.tensors import Birth, Move
 from ..registry import Invariant
 from ..report import CheckResult, Finding, Site
-from ..stacks import TORCH, USER, Frame, Stack
+from ..stacks import TORCH, USER, Frame, Stack, classify
 from ..text import plural
 from ._spelling import reassigns, spell
-from ._steps import PerStep, frequency, short, step_verdict
+from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, extent, frequency, rate, step_verdict
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -54,6 +56,26 @@ NAME = "on_device"
 BUILT = "built in the step"
 CONSTANT = "built once, copied every step"
 COPY = "copied from the host"
+DATA_COPY = "python data copied to the device"
+_OPS = {"to": ".to(...)", "cuda": ".cuda()", "type_as": ".type_as(...)", "copy_": ".copy_(...)", DATA: "device="}
+_OPERATORS = frozenset(("==", "!=", "<", "<=", ">", ">=", "+", "-", "*", "/", "&", "|", "~"))
+
+
+def made_by(birth: Birth) -> str:
+    """``torch.randn(...)``, ``torch.FloatTensor(...)``, ``x.new_tensor(...)``: what built the tensor."""
+    if birth.factory == "new_tensor":
+        return "x.new_tensor(...)"
+    return f"torch.{birth.factory}(...)"
+
+
+def path_text(birth: Birth) -> str:
+    """The operations from the factory to the move: ``.triu().float()``, `` == …``."""
+    out = []
+    for step in birth.path:
+        if step == "view":
+            continue
+        out.append(f" {step} …" if step in _OPERATORS else f".{step}()")
+    return "".join(out)
 
 # -- per-run state and verdict ----------------------------------------------------------------
 
@@ -75,14 +97,17 @@ class _Copy(PerStep):
         self._tensors: dict[int, tuple[Any, set[Optional[int]]]] = {}
         #: The most steps one tensor was copied in.
         self.most_steps = 0
-        self.hint = spell(event, mover)
+        self.in_lightning = lightning.current_call() is not None
+        self.hint = spell(event, mover, self.in_lightning)
         tensor = event.tensor
         self.shape = tuple(tensor.shape)
         self.dtype = str(tensor.dtype).replace("torch.", "")
         self.real = event.real_copy
+        #: PERIODIC / PER_EPOCH / ONCE, or None: set when the verdict is made.
+        self.cadence: Optional[str] = None
 
-    def record(self, event: Move, unit: Optional[int], built_in_step: bool) -> None:
-        self.add(unit)
+    def record(self, event: Move, unit: Optional[int], built_in_step: bool, epoch: int = 0) -> None:
+        self.add(unit, epoch)
         self.real = self.real or event.real_copy
         self.built_in_step = self.built_in_step or built_in_step
         tensor = event.tensor
@@ -104,6 +129,8 @@ class _Copy(PerStep):
     def kind(self) -> str:
         if self.birth is None:
             return COPY
+        if self.op == DATA:
+            return DATA_COPY
         return CONSTANT if self.repeated else BUILT
 
     @property
@@ -118,7 +145,8 @@ class _Copy(PerStep):
         creation = self.creation
         return {
             "kind": self.kind,
-            "factory": f"torch.{self.birth.factory}" if self.birth else None,
+            "factory": made_by(self.birth)[:-5] if self.birth else None,
+            "path": [p for p in self.birth.path if p != "view"] if self.birth else [],
             "created_at": creation.location() if creation else None,
             "created_source": creation.source if creation else None,
             "moved_by": self.op,
@@ -129,6 +157,8 @@ class _Copy(PerStep):
             "count": self.count,
             "steps_with_copy": len(self.per_unit),
             "frequency": frequency(self.per_unit, self.outside, total),
+            "rate": rate(self, total),
+            "cadence": self.cadence,
             "shape": list(self.shape),
             "dtype": self.dtype,
             "real_copy": self.real,
@@ -147,6 +177,12 @@ class DevicePlacementCheck(Check):
         self.allow = AllowList(run.options.allowed_copies)
         TENSORS.want_functions(self.allow.function_names)
         self._copies: dict[Any, _Copy] = {}
+        self.limit: float = run.options.max_copy_rate
+        #: Passes over DataLoaders begun so far: the epoch a copy belongs to.
+        self.epoch = 0
+
+    def on_dataloader_pass(self, loader: Any) -> None:
+        self.epoch += 1
 
     # -- events from the probe ----------------------------------------------------------
     def on_move(self, event: Move) -> None:
@@ -190,29 +226,43 @@ class DevicePlacementCheck(Check):
         if copy is None:
             move_stack = stack_of(event.frame)
             copy = self._copies[key] = _Copy(event, describe_frame(mover.frame), move_stack, by_user, allowed_by)
-        copy.record(event, run.unit, built_in_step)
+        copy.record(event, run.unit, built_in_step, self.epoch)
 
     # -- verdict -------------------------------------------------------------------------
     def _finding(self, copy: _Copy, note: str = "") -> Finding:
-        freq = frequency(copy.per_unit, copy.outside, self.run.units, self.run.unit_name)
-        op = {"to": ".to(...)", "cuda": ".cuda()", "type_as": ".type_as(...)", "copy_": ".copy_(...)"}[copy.op]
+        if copy.cadence is not None:
+            freq = cadence_text(copy.cadence, copy, self.run.units, self.run.unit_name)
+        else:
+            freq = frequency(copy.per_unit, copy.outside, self.run.units, self.run.unit_name)
+        op = _OPS[copy.op]
         birth = copy.birth
         facts = []
         sites = []
-        if birth is not None and birth.site is not None:
-            made = f"torch.{birth.factory}(...)"
-            via = "".join(f".{step}()" for step in birth.path if step != "view")
+        if birth is not None and birth.site is not None and copy.op == DATA:
+            made = made_by(birth).replace("(...)", "(<python data>, device=...)" if birth.factory != "new_tensor" else "(<python data>)")
+            title = f"{note}{made} copies host memory to the device in {copy.mover.function}: {freq}"
+            facts.append(f"at {birth.site.location()}: {birth.site.source}")
+            facts.append(
+                "on CUDA a copy from pageable host memory is blocking: torch waits for the stream to finish "
+                "everything queued so far, then copies, every time"
+            )
+            sites.append(Site(f"{made_by(birth)} with python data", copy.move_stack, copy.count))
+        elif birth is not None and birth.site is not None:
+            made = made_by(birth)
+            via = path_text(birth)
             if copy.kind == CONSTANT:
-                title = f"{note}the same {made} copied again with {op} in {copy.mover.function}: {freq}"
+                title = f"{note}the same {made}{via} copied again with {op} in {copy.mover.function}: {freq}"
             else:
                 title = f"{note}{made}{via} built on the host, then copied with {op} in {copy.mover.function}: {freq}"
+            if birth.factory in LEGACY:
+                facts.append(f"torch.{birth.factory} is a legacy constructor: it always builds on the host")
             if birth.site.location() == copy.mover.location():
                 facts.append(f"created and moved at {birth.site.location()}: {birth.site.source}")
-                sites.append(Site(f"torch.{birth.factory} then {op}", copy.move_stack, copy.count))
+                sites.append(Site(f"{made[:-5]} then {op}", copy.move_stack, copy.count))
             else:
                 facts.append(f"created at {birth.site.location()}: {birth.site.source}")
                 facts.append(f"moved at {copy.mover.location()}: {copy.mover.source}")
-                sites.append(Site(f"created by torch.{birth.factory}", birth.stack, copy.count))
+                sites.append(Site(f"created by {made[:-5]}", birth.stack, copy.count))
                 sites.append(Site(f"copied by {op}", copy.move_stack, copy.count))
         else:
             title = f"{note}host tensor copied to the device with {op} in {copy.mover.function}: {freq}"
@@ -226,13 +276,22 @@ class DevicePlacementCheck(Check):
             facts.append("a real host-to-device copy on this machine")
         else:
             facts.append("on this CPU-only run the move is a no-op; on a GPU it is a host-to-device copy each time")
+        if copy.cadence is not None and copy.by_user and not copy.allowed_by:
+            what = {"periodic": f"after its first step, in at most {self.limit:g} of the steps",
+                    "once per epoch": "at most once per epoch", "once": "once in the run (like a tensor built lazily in the first step and kept)"}
+            facts.append(f"copied {what[copy.cadence]}: a note, not a failure (max_copy_rate={self.limit:g}; "
+                         "0 fails on it)")
         if copy.allowed_by:
             facts.append(f"accepted by allowed_copies entry {copy.allowed_by!r}")
         elif not copy.by_user:
-            facts.append(f"made by {owner_label(copy.creation or copy.mover)}, not by your code: a note, not a failure")
-        hint = copy.hint if copy.by_user and not copy.allowed_by else ""
-        if not (copy.by_user and not copy.allowed_by):
-            sites = [Site(s.label, short(s.stack), s.count) for s in sites]
+            owner_frame = copy.creation or copy.mover
+            facts.append(
+                f"made by {owner_label(owner_frame)}, not by your code ({classify.rule(owner_frame.filename)}): "
+                "a note, not a failure"
+            )
+        elif copy.creation is not None and classify.rule_matters(copy.creation.filename):
+            facts.append(f"counted as your code: {classify.rule(copy.creation.filename)}")
+        hint = copy.hint if copy.by_user and not copy.allowed_by and copy.cadence is None else ""
         return Finding(title, facts, sites, hint)
 
     def result(self) -> CheckResult:
@@ -240,34 +299,42 @@ class DevicePlacementCheck(Check):
         total = run.units
         unit = run.unit_name
         copies = sorted((c for c in self._copies.values() if c.broken), key=lambda c: -c.count)
-        failing = [c for c in copies if c.by_user and not c.allowed_by]
-        noted = [c for c in copies if not c.by_user and not c.allowed_by]
+        for c in copies:
+            c.cadence = cadence(c, total, self.limit) if c.by_user and not c.allowed_by else None
+        failing = [c for c in copies if c.by_user and not c.allowed_by and c.cadence is None]
+        periodic = [c for c in copies if c.cadence is not None]
+        framework = [c for c in copies if not c.by_user and not c.allowed_by]
+        noted = periodic + framework
         allowed = [c for c in copies if c.allowed_by]
         figures: dict[str, Any] = {
             "scope": run.scope,
             "steps": total,
             "host_built_copies": sum(c.count for c in failing),
             "sites": len(failing),
-            "framework_copies": sum(c.count for c in noted),
+            "periodic_copies": sum(c.count for c in periodic),
+            "max_copy_rate": self.limit,
+            "framework_copies": sum(c.count for c in framework),
             "allowed_copies": sum(c.count for c in allowed),
             "events": [c.to_dict(total) for c in copies],
         }
         extras = []
-        if noted:
-            owners = sorted({owner_label(c.creation or c.mover) for c in noted})
+        if periodic:
+            extras.append(f"{figures['periodic_copies']} periodic in your code (noted)")
+        if framework:
+            owners = sorted({owner_label(c.creation or c.mover) for c in framework})
             extras.append(f"{figures['framework_copies']} in {', '.join(owners)} (noted)")
         if allowed:
             extras.append(f"{figures['allowed_copies']} allowed")
 
         def one_site(c: _Copy) -> str:
             where = c.creation.location() if c.creation else c.mover.location()
-            what = "host-built tensor" if c.birth else "host tensor"
+            what = "host-built tensor" if c.birth and c.op != DATA else "python-data" if c.birth else "host tensor"
             noun = "copy" if c.count == 1 else "copies"
             return f"{c.count} {what} {noun} from {where}: {frequency(c.per_unit, c.outside, total, unit)}"
 
         def many_sites(count: int, n: int) -> str:
             noun = "copy" if count == 1 else "copies"
-            return f"{count} host-to-device {noun} of tensors built on the host, at {n} sites over {plural(total, unit)}"
+            return f"{count} host-to-device {noun} of tensors built on the host, at {n} sites {extent(run)}"
 
         return step_verdict(
             NAME, run, what="copies", failing=failing, noted=noted, allowed=allowed, finding=self._finding,
@@ -277,7 +344,7 @@ class DevicePlacementCheck(Check):
                 f"{unit}: within max_copies_per_step={budget}"
             ),
             one_site=one_site, many_sites=many_sites,
-            clean=f"no host-built tensor copied over {plural(total, unit)}", extras=extras,
+            clean=f"no host-built tensor copied {extent(run)}", extras=extras,
         )
 
 
@@ -294,7 +361,7 @@ INVARIANT = Invariant(
     check=DevicePlacementCheck,
     kind=Flag(),
     default=True,
-    probes=("tensors",),
+    probes=("tensors", "iterators"),
     arguments=(
         Argument(
             "allowed_copies",
@@ -309,6 +376,15 @@ INVARIANT = Invariant(
             None,
             "pass while no training step makes more than N copies of host-built tensors",
             meaning="the most copies of host-built tensors any training step may make",
+        ),
+        Argument(
+            "max_copy_rate",
+            Fraction(),
+            DEFAULT_RATE,
+            "on_device notes, without failing, a copy made periodically: after its first step, in at most this "
+            "share of the steps, at most once per epoch, or once (a tensor built lazily in the first step and "
+            "kept); 0 fails on every copy",
+            meaning="the largest share of the steps a periodic copy may take",
         ),
     ),
 )

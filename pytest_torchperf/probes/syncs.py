@@ -19,7 +19,9 @@ tensor it reads is one that lives on the accelerator:
 - on a CPU-only machine, a CPU tensor *would* synchronise on an accelerator,
   unless it is a host tensor by construction (:mod:`.tensors`); reads of those
   are counted apart (:attr:`SyncsProbe.host_reads`) and are never events;
-- on a machine where CUDA is in use, a CPU tensor is a host tensor.
+- on a machine where CUDA is in use, a CPU tensor is a host tensor;
+- ``module.cpu()`` of a module that was never moved to a device (while
+  watched) and holds only CPU tensors copies nothing: no event.
 
 An operation made inside another one (``print`` reading the values with
 ``.item()``) is one event. Boolean-mask indexing is seen through
@@ -408,6 +410,28 @@ class SyncsProbe(Probe):
                 patcher.wrap(torch, name, lambda original, op=op, make=make_function: make(op, original))
         patcher.wrap(F, "one_hot", lambda original: function(ONE_HOT, original))
 
+        def module_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
+            # ``module.cpu()`` of a module that never left the host copies nothing: no event for its tensors.
+            def cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                quiet = False
+                if not is_compiling() and flags.in_scope:
+                    try:
+                        quiet = threading.get_ident() == probe.thread and not TENSORS.moved_module(self) and _on_host(self)
+                    except Exception as exc:  # noqa: BLE001
+                        probe.failed(exc)
+                if not quiet:
+                    return original(self, *args, **kwargs)
+                probe.depth += 1
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    probe.depth -= 1
+
+            return functools.wraps(original)(cpu)
+
+        patcher.wrap(torch.nn.Module, "cpu", module_cpu)
+
         if cuda_available:
             self._install_cuda(patcher, torch)
 
@@ -492,6 +516,17 @@ class SyncsProbe(Probe):
 
         if hasattr(warnings, "_showwarnmsg"):
             patcher.wrap(warnings, "_showwarnmsg", show_wrapper)
+
+
+def _on_host(module: Any) -> bool:
+    """Every parameter and buffer of ``module`` is on the CPU."""
+    for tensor in module.parameters():
+        if tensor.device.type != "cpu":
+            return False
+    for tensor in module.buffers():
+        if tensor.device.type != "cpu":
+            return False
+    return True
 
 
 def _mask_or_none(mask_in: Callable[[Any], Any], index: Any) -> Any:

@@ -1,0 +1,315 @@
+"""Host provenance through a few cheap operations, and the legacy constructors read from the source.
+
+A mask or a constant is often built on the host from a factory and a few
+cheap transformations, then moved every step::
+
+    mask = torch.triu(torch.ones(n, n), diagonal=1)
+    mask = mask.float().masked_fill(mask == 1, float("-inf"))
+    out = self.transformer(x, mask=mask.to(x.device))
+
+The registry (:mod:`._host`) knows ``torch.ones(n, n)`` is a host tensor;
+:func:`install` lets the results of these operations keep that provenance
+when every tensor they read is a host tensor (python numbers are fine):
+
+- ``torch.triu``/``tril`` and the Tensor methods ``triu``, ``tril``,
+  ``masked_fill``, ``detach`` and ``clone``;
+- the comparisons ``== != < <= > >=``, the arithmetic ``+ - * /`` (either
+  side), ``-t``, ``~t``, ``&`` and ``|``;
+- ``torch.stack`` and ``torch.cat`` called by code outside torch (a
+  DataLoader's collate is torch's, so batches never count).
+
+Each is a Python wrapper on a Tensor method or a ``torch`` function: one call
+and, while no host tensor built by code outside torch is alive, one dictionary
+check on top of the operation (torch's own host tensors, such as an
+optimizer's step counters, are not followed, so they cost nothing here);
+measured in ``benchmarks/bench_step_checks.py``.
+Everything else (reductions, ``matmul``, ``torch.where(c, a, b)``, indexing
+with tensors, ``repeat``, ``flip``, operations of a subclass with its own
+``__torch_function__``) is not followed: its result counts as a device tensor.
+
+The legacy constructors (``torch.Tensor(2, 3).fill_(v)``, ``torch.FloatTensor(x)``)
+are classes: patching them would change ``torch.Tensor`` itself. Instead,
+when a tensor of unknown provenance is moved inside a step, :class:`LegacySites`
+reads the statement at the move (once per line, then cached): a receiver
+chain that starts at ``torch.<Legacy>Tensor(...)``, in the same statement or
+assigned to the moved name earlier in the same function, is a host tensor
+built in the step.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import linecache
+import sys
+import textwrap
+from types import CodeType, FrameType
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ..core import FLAGS
+from ..frames import caller, kind_of
+from ..stacks import TORCH, Frame
+from ._host import LEGACY, Birth
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+    from ._host import HostRegistry
+
+__all__ = ["BINARY", "FUNCTIONS", "METHODS", "UNARY", "LegacySites", "install"]
+
+#: Tensor dunders of two operands (``t * 0.5``, ``mask == 1``, ``1 - t``).
+BINARY = (
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__and__", "__or__",
+)
+#: Tensor dunders of one operand.
+UNARY = ("__neg__", "__invert__")
+#: Other Tensor methods followed.
+METHODS = ("triu", "tril", "masked_fill", "detach", "clone")
+#: ``torch`` functions followed.
+FUNCTIONS = ("triu", "tril", "stack", "cat")
+#: The readable name of each operation in a birth's path.
+_LABELS = {
+    "__eq__": "==", "__ne__": "!=", "__lt__": "<", "__le__": "<=", "__gt__": ">", "__ge__": ">=",
+    "__add__": "+", "__radd__": "+", "__sub__": "-", "__rsub__": "-", "__mul__": "*", "__rmul__": "*",
+    "__truediv__": "/", "__rtruediv__": "/", "__and__": "&", "__or__": "|", "__neg__": "-", "__invert__": "~",
+}
+
+
+def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any) -> None:
+    """Patch the operations above so their results keep host provenance; undone by ``patcher``."""
+    tensor_type = torch.Tensor
+    flags = FLAGS
+    is_compiling = probe.compiling
+    traced = probe.traced
+
+    def binary(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        label = _LABELS[name]
+
+        def op(self: Any, other: Any) -> Any:
+            __tracebackhide__ = True
+            if type(self) is not tensor_type and dispatch.overrides(self):
+                return dispatch.call(original, self, (other,), {})
+            out = original(self, other)
+            if traced and not is_compiling() and flags.active and (id(self) in traced or id(other) in traced):
+                try:
+                    probe.follow(label, out, (self, other))
+                except Exception as exc:  # noqa: BLE001 - never into the user's code
+                    probe.failed(exc)  # type: ignore[attr-defined]
+            return out
+
+        return functools.wraps(original)(op)
+
+    def unary(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        label = _LABELS[name]
+
+        def op(self: Any) -> Any:
+            __tracebackhide__ = True
+            if type(self) is not tensor_type and dispatch.overrides(self):
+                return dispatch.call(original, self, (), {})
+            out = original(self)
+            if traced and not is_compiling() and flags.active and id(self) in traced:
+                try:
+                    probe.follow(label, out, (self,))
+                except Exception as exc:  # noqa: BLE001
+                    probe.failed(exc)  # type: ignore[attr-defined]
+            return out
+
+        return functools.wraps(original)(op)
+
+    def method(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def op(self: Any, *args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            if type(self) is not tensor_type and dispatch.overrides(self):
+                return dispatch.call(original, self, args, kwargs)
+            out = original(self, *args, **kwargs)
+            if traced and not is_compiling() and flags.active:
+                try:
+                    if probe.is_traced(self):
+                        probe.follow(name, out, (self,) + args + tuple(kwargs.values()))
+                except Exception as exc:  # noqa: BLE001
+                    probe.failed(exc)  # type: ignore[attr-defined]
+            return out
+
+        return functools.wraps(original)(op)
+
+    def function(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        many = name in ("stack", "cat")
+
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            out = original(*args, **kwargs)
+            if traced and args and not is_compiling() and flags.active:
+                try:
+                    if many:
+                        first = args[0]
+                        if isinstance(first, (list, tuple)) and first and probe.is_host_tensor(first[0]):
+                            site = caller(sys._getframe(1))
+                            if site is not None and kind_of(site.f_code) != TORCH:
+                                probe.follow(name, out, tuple(first))
+                    elif probe.is_traced(args[0]):
+                        probe.follow(name, out, args[:1])
+                except Exception as exc:  # noqa: BLE001
+                    probe.failed(exc)  # type: ignore[attr-defined]
+            return out
+
+        return functools.wraps(original)(fn)
+
+    for name in BINARY:
+        patcher.wrap(tensor_type, name, lambda original, name=name: binary(name, original))
+    for name in UNARY:
+        patcher.wrap(tensor_type, name, lambda original, name=name: unary(name, original))
+    for name in METHODS:
+        patcher.wrap(tensor_type, name, lambda original, name=name: method(name, original))
+    for name in FUNCTIONS:
+        if getattr(torch, name, None) is not None:
+            patcher.wrap(torch, name, lambda original, name=name: function(name, original))
+
+
+# -- the legacy constructors, read from the source -------------------------------------------
+
+_MOVES = frozenset(("to", "cuda", "type_as"))
+
+
+def _legacy_call(node: ast.AST) -> Optional[tuple[str, tuple[str, ...]]]:
+    """``(constructor, methods called on it)`` when ``node`` is a chain starting at ``torch.<Legacy>(...)``."""
+    path: list[str] = []
+    while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            func = node.func
+            if isinstance(func.value, ast.Name) and func.value.id == "torch" and func.attr in LEGACY:
+                return func.attr, tuple(reversed(path))
+            path.append(func.attr)
+            node = func.value
+        elif isinstance(node, ast.Subscript):
+            path.append("view")
+            node = node.value
+        else:
+            return None
+
+
+def _statement_at(filename: str, lineno: int) -> Optional[ast.AST]:
+    lines = []
+    for offset in range(10):
+        line = linecache.getline(filename, lineno + offset)
+        if not line:
+            break
+        lines.append(line)
+        try:
+            return ast.parse(textwrap.dedent("".join(lines)))
+        except SyntaxError:
+            continue
+    return None
+
+
+def _function_body(code: CodeType, lineno: int) -> Optional[tuple[ast.AST, int]]:
+    """The function (or module) whose code is ``code``, parsed, with the line offset of its first line."""
+    first = code.co_firstlineno
+    lines = linecache.getlines(code.co_filename)
+    if not lines:
+        return None
+    if code.co_name == "<module>":
+        try:
+            return ast.parse("".join(lines)), 0
+        except SyntaxError:
+            return None
+    text = []
+    for i in range(first - 1, min(len(lines), first - 1 + 2000)):
+        text.append(lines[i])
+        if i + 1 >= lineno:
+            try:
+                return ast.parse(textwrap.dedent("".join(text))), first - 1
+            except SyntaxError:
+                continue
+    return None
+
+
+class LegacySites:
+    """Which lines move a tensor built by a legacy constructor (``torch.FloatTensor(...)``), read once per line."""
+
+    def __init__(self) -> None:
+        #: id(code) -> (code, {line: (constructor, path, the line that built it) or None}). Keyed by the code's id
+        #: (hashing a code object costs more than the whole lookup); the code is kept, so its id stays its own.
+        self.cache: dict[int, tuple[CodeType, dict[int, Optional[tuple[str, tuple[str, ...], int]]]]] = {}
+
+    def clear(self) -> None:
+        self.cache.clear()
+
+    def at(self, frame: FrameType) -> Optional[tuple[str, tuple[str, ...], int]]:
+        code = frame.f_code
+        entry = self.cache.get(id(code))
+        if entry is None or entry[0] is not code:
+            if len(self.cache) > 5000:
+                self.cache.clear()
+            entry = self.cache[id(code)] = (code, {})
+        lines = entry[1]
+        lineno = frame.f_lineno
+        if lineno in lines:
+            return lines[lineno]
+        try:
+            found = self._read(code, lineno)
+        except Exception:  # noqa: BLE001 - unreadable source is no legacy constructor
+            found = None
+        lines[lineno] = found
+        return found
+
+    def _read(self, code: CodeType, lineno: int) -> Optional[tuple[str, tuple[str, ...], int]]:
+        tree = _statement_at(code.co_filename, lineno)
+        if tree is None:
+            return None
+        names: list[str] = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MOVES:
+                receiver = node.func.value
+                found = _legacy_call(receiver)
+                if found is not None:
+                    return found[0], found[1], lineno
+                if isinstance(receiver, ast.Name):
+                    names.append(receiver.id)
+        if not names:
+            return None
+        for node in ast.walk(tree):  # ``t = torch.LongTensor(x); t = t.to(dev)`` on one line
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target = node.targets[0]
+                if isinstance(target, ast.Name) and target.id in names:
+                    found = _legacy_call(node.value)
+                    if found is not None:
+                        return found[0], found[1], lineno
+        parsed = _function_body(code, lineno)
+        if parsed is None:
+            return None
+        body, offset = parsed
+        best: Optional[tuple[str, tuple[str, ...], int]] = None
+        for node in ast.walk(body):
+            if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+                continue
+            target = node.targets[0]
+            line = node.lineno + offset
+            if isinstance(target, ast.Name) and target.id in names and line < lineno:
+                found = _legacy_call(node.value)
+                if found is not None and (best is None or line > best[2]):
+                    best = (found[0], found[1], line)
+                elif found is None and best is not None and line > best[2]:
+                    best = None  # reassigned to something else since
+        return best
+
+
+def legacy_birth(probe: "HostRegistry", sites: LegacySites, frame: Optional[FrameType], tensor: Any) -> Optional[Birth]:
+    """The birth of ``tensor`` moved at ``frame`` when the source there shows a legacy constructor built it."""
+    site = caller(frame)
+    if site is None or tensor.device.type != "cpu":
+        return None
+    kind = kind_of(site.f_code)
+    if kind == TORCH:
+        return None
+    found = sites.at(site)
+    if found is None:
+        return None
+    constructor, path, line = found
+    birth = probe.site_birth(constructor, tensor, site, kind, False)
+    birth.path = tuple(p for p in path if p != "view")
+    if line != site.f_lineno:
+        birth.site = Frame(site.f_code.co_filename, line, site.f_code.co_name)
+        birth.stack = tuple(birth.stack[:-1]) + (birth.site,)
+    return birth

@@ -1,0 +1,305 @@
+"""``no_host_sync``'s sync-rate policy: a site that syncs on a period is a note, one that syncs in most steps fails.
+
+Also the wording that depends on where the run is: plain-PyTorch hints outside
+Lightning, summaries that fit ``scope="test"``, and framework syncs reported
+at the framework's line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pl = pytest.importorskip("pytorch_lightning")
+
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from pytest_torchperf import UsageError, parse_options, watch  # noqa: E402
+from pytest_torchperf.report import Report  # noqa: E402
+from step_check_helpers import batches, report_of, write_module  # noqa: E402
+
+LOOP = """
+import torch
+
+def train(watch, model, batches, **options):
+    with watch(**options) as run:
+        for i, (x, y) in enumerate(batches):
+            with run.step():
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                if {condition}:
+                    v = loss.item()  # HERE
+    return run
+"""
+
+
+@pytest.fixture(autouse=True)
+def quiet_lightning() -> Any:
+    logger = logging.getLogger("pytorch_lightning")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    yield
+    logger.setLevel(level)
+
+
+def loop(tmp_path: Path, condition: str, steps: int, **options: Any) -> tuple[Report, int]:
+    name = "loop_" + "".join(c if c.isalnum() else "_" for c in condition)[:40] + f"_{steps}"
+    module, lineno = write_module(tmp_path, name, LOOP.format(condition=condition))
+    data = [(torch.randn(4, 8), torch.randn(4, 1))] * steps
+    return report_of(module.train, watch, torch.nn.Linear(8, 1), data, **options), lineno
+
+
+def event(report: Report) -> dict[str, Any]:
+    (found,) = report["no_host_sync"].figures["events"]
+    return found
+
+
+def test_a_sync_every_10th_step_is_a_note_with_its_rate(tmp_path: Path) -> None:
+    report, lineno = loop(tmp_path, "i % 10 == 0", 40)
+    check = report["no_host_sync"]
+    assert check.status == "passed", check.render(False)
+    assert check.summary == "no sync in your code over 40 steps; 4 periodic syncs in your code (noted)"
+    found = event(report)
+    assert found["cadence"] == "periodic" and found["rate"] == 0.1
+    (finding,) = check.findings
+    assert finding.title == "note: `.item()` in train: periodic: 4 of 40 steps"
+    assert "after its first step, it synced in at most 0.1 of the steps (max_sync_rate=0.1) (rate 0.10)" in finding.facts[1]
+    assert not finding.hint
+    assert check.figures["periodic_syncs"] == 4 and check.figures["syncs"] == 0
+
+
+@pytest.mark.parametrize(
+    "condition, steps, rate",
+    [
+        ("True", 20, 1.0),  # every step
+        ("i % 2 == 0", 20, 0.5),  # every other step: half the cost of a per-step sync is still a bug
+        ("i % 4 == 3", 40, 0.25),  # at each optimizer step under 4 steps of gradient accumulation
+        ("i % 5 == 0", 40, 0.2),
+    ],
+)
+def test_a_sync_in_a_large_share_of_the_steps_fails(tmp_path: Path, condition: str, steps: int, rate: float) -> None:
+    report, lineno = loop(tmp_path, condition, steps)
+    check = report["no_host_sync"]
+    assert check.status == "failed", check.summary
+    found = event(report)
+    assert found["cadence"] is None and found["rate"] == rate
+    facts = "\n".join(check.findings[0].facts)
+    assert f"(rate {rate:.2f}): more often than max_sync_rate=0.1 allows for a periodic sync" in facts
+    assert check.findings[0].hint
+
+
+@pytest.mark.parametrize(
+    "condition, steps, status, title",
+    [
+        ("i % 10 == 0", 3, "passed", "once: 1 of 3 steps"),  # 3 steps cannot show a period: one sync is "once"
+        ("i == 1", 2, "passed", "once: 1 of 2 steps"),
+        ("True", 1, "failed", "1 per step over 1 step"),  # a sync in every observed step always fails
+        ("i % 2 == 0", 3, "failed", "1 per step in 2 of 3 steps"),
+        ("i % 10 == 0", 12, "passed", "periodic: 2 of 12 steps"),  # step 0 is free: 1 more in 12 steps
+    ],
+)
+def test_short_runs_are_judged_by_what_they_show(tmp_path: Path, condition: str, steps: int, status: str, title: str) -> None:
+    report, _ = loop(tmp_path, condition, steps)
+    check = report["no_host_sync"]
+    assert check.status == status, check.render(False)
+    assert check.findings[0].title.endswith(title), check.findings[0].title
+
+
+@pytest.mark.parametrize("rate, status", [(0, "failed"), (0.05, "failed"), (0.1, "passed"), (0.5, "passed")])
+def test_max_sync_rate_sets_the_limit(tmp_path: Path, rate: float, status: str) -> None:
+    report, _ = loop(tmp_path, "i % 10 == 0", 40, max_sync_rate=rate)
+    check = report["no_host_sync"]
+    assert check.status == status, check.summary
+    assert check.figures["max_sync_rate"] == rate
+
+
+def test_max_sync_rate_zero_fails_even_a_single_sync(tmp_path: Path) -> None:
+    report, _ = loop(tmp_path, "i == 3", 20, max_sync_rate=0)
+    assert report["no_host_sync"].status == "failed"
+
+
+def test_a_sync_once_per_epoch_is_a_note(tmp_path: Path) -> None:
+    module, lineno = write_module(
+        tmp_path,
+        "per_epoch",
+        """
+        import torch
+
+        def train(watch, model, loader):
+            with watch() as run:
+                for epoch in range(3):
+                    for i, (x, y) in enumerate(loader):
+                        with run.step():
+                            loss = torch.nn.functional.mse_loss(model(x), y)
+                            if i == len(loader) - 1:
+                                print(f"epoch {epoch}: {loss.item():.3f}")  # HERE
+            return run
+        """,
+    )
+    loader = DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), loader)
+    check = report["no_host_sync"]
+    assert check.status == "passed", check.render(False)
+    assert event(report)["cadence"] == "once per epoch"
+    assert check.findings[0].title == "note: `.item()` in train: once per epoch: 3 of 12 steps"
+
+
+def test_per_step_syncs_in_short_epochs_still_fail(tmp_path: Path) -> None:
+    """Once per epoch is never every step: a loader of one batch makes every step an epoch."""
+    module, _ = write_module(
+        tmp_path,
+        "one_batch",
+        """
+        import torch
+
+        def train(watch, model, loader):
+            with watch() as run:
+                for epoch in range(4):
+                    for x, y in loader:
+                        with run.step():
+                            v = model(x).sum().item()  # HERE
+            return run
+        """,
+    )
+    loader = DataLoader(TensorDataset(torch.randn(4, 8), torch.randn(4, 1)), batch_size=4)
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), loader)
+    assert report["no_host_sync"].status == "failed"
+
+
+def test_max_sync_rate_is_validated() -> None:
+    for value in (1.5, -0.1, "0.1", True, float("nan")):
+        with pytest.raises(UsageError, match=r"max_sync_rate must be a number from 0 to 1 \(the largest share"):
+            parse_options({"max_sync_rate": value}, where="torchperf.watch()")
+    assert parse_options({"max_sync_rate": 1}).max_sync_rate == 1.0
+
+
+# -- a real Lightning fit -----------------------------------------------------------------------
+
+MODULE = """
+import torch
+import pytorch_lightning as pl
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        if {condition}:
+            self.last = loss.item()  # HERE
+        return loss
+
+    def on_train_epoch_end(self):
+        self.epoch_loss = self.layer.weight.sum().item()  # once per epoch, outside the steps
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+"""
+
+
+def fit(tmp_path: Path, name: str, condition: str, **options: Any) -> tuple[Report, int]:
+    module, lineno = write_module(tmp_path, name, MODULE.format(condition=condition))
+    trainer = pl.Trainer(
+        max_epochs=2, limit_train_batches=20, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(TensorDataset(torch.randn(80, 8), torch.randn(80, 1)), batch_size=4)
+
+    def go() -> Any:
+        with watch(**options) as run:
+            trainer.fit(module.Model(), loader)
+        return run
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return report_of(go), lineno
+
+
+def test_lightning_logging_every_10_batches_is_a_note_and_every_batch_fails(tmp_path: Path) -> None:
+    report, lineno = fit(tmp_path, "periodic_fit", "batch_idx % 10 == 0", scope="test")
+    check = report["no_host_sync"]
+    assert check.status == "passed", check.render(False)
+    found = {e["function"]: e for e in check.figures["events"] if e["code"] == "user"}
+    assert found["training_step"]["cadence"] == "periodic"
+    assert found["training_step"]["steps_with_sync"] == 4 and found["training_step"]["rate"] == 0.1
+    assert found["on_train_epoch_end"]["cadence"] == "once per epoch"
+    assert check.summary.startswith("no sync in your code in the whole test (40 steps); 6 periodic syncs")
+
+    report, lineno = fit(tmp_path, "every_fit", "True")
+    check = report["no_host_sync"]
+    assert check.status == "failed"
+    assert "pass the tensor itself to `self.log(...)`" in check.findings[0].hint  # inside a Lightning call
+
+
+def test_plain_loops_get_plain_pytorch_hints(tmp_path: Path) -> None:
+    report, _ = loop(tmp_path, "True", 3)
+    hint = report["no_host_sync"].findings[0].hint
+    assert "self.log" not in hint
+    assert "accumulate it with tensor ops (`total += loss.detach()`)" in hint
+    assert "a periodic sync: a note, not a failure (max_sync_rate=0.1)" in hint
+
+
+# -- scope="test": the wording, and framework syncs at the framework's line -----------------------------
+
+
+def test_scope_test_without_steps_says_so() -> None:
+    with watch(scope="test") as run:
+        torch.ones(2).sum()
+    assert run.report["no_host_sync"].summary == "no sync in your code in the whole test"
+    assert run.report["on_device"].summary == "no host-built tensor copied in the whole test"
+
+
+def test_framework_syncs_under_scope_test_are_at_the_frameworks_line(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_ckpt="""
+        import pytest
+        import torch
+        import pytorch_lightning as pl
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class Model(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(8, 1)
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return torch.nn.functional.mse_loss(self.layer(x), y)
+
+            def validation_step(self, batch, batch_idx):
+                x, y = batch
+                self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        @pytest.mark.torchperf(scope="test")
+        def test_fit(tmp_path):
+            loader = DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
+            checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val_loss:.3f}", monitor="val_loss")
+            trainer = pl.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                                 callbacks=[checkpoint], default_root_dir=tmp_path)
+            trainer.fit(Model(), loader, loader)
+        """
+    )
+    result = pytester.runpytest("-p", "no:warnings", "--torchperf-json=out.json", "-v")
+    result.assert_outcomes(passed=1)
+    doc = json.loads((pytester.path / "out.json").read_text())
+    check = doc["tests"][0]["checks"]["no_host_sync"]
+    assert check["summary"].startswith("no sync in your code in the whole test (8 steps); ")
+    formatting = [f for f in check["findings"] if "_format_checkpoint_name" in f["title"]]
+    assert formatting, [f["title"] for f in check["findings"]]
+    for finding in check["findings"]:
+        (site,) = finding["sites"]
+        assert site["user_code"] is False, site
+        assert site["site"].startswith(("pytorch_lightning/", "lightning_fabric/")), site
+        assert any(frame.startswith(site["site"]) for frame in site["stack"])
+        assert any(frame.startswith("pytorch_lightning/trainer/trainer.py") for frame in site["stack"])
