@@ -22,8 +22,10 @@ Perfetto). The file is ``<dir>/<test id>.pt.trace.json``: open it in
 https://ui.perfetto.dev, ``chrome://tracing`` or TensorBoard's profiler plugin.
 
 A test that runs ``torch.profiler`` itself (or Lightning's
-``profiler="pytorch"``) cannot be traced: only one profiler can run at a time,
-so the trace is then skipped with a note, never an error in the test.
+``profiler="pytorch"``) cannot be traced: only one profiler can run at a time.
+When the test starts one, the trace stops and gives way (its profiler runs as
+it would have); when one is already running, no trace starts. Either way the
+report says why there is no trace; the test itself is never affected.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import json
 import os
 import re
 import tempfile
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .baseline import Observation
 
@@ -63,6 +65,7 @@ class StepTrace:
         self.error: Optional[str] = None
         self._prof: Any = None
         self._hook: Any = None
+        self._unguard: Optional[Callable[[], None]] = None
         self._done = False
 
     # -- recording -----------------------------------------------------------------------------------
@@ -95,6 +98,7 @@ class StepTrace:
             prof.start()
             self._prof = prof
             self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+            self._guard(torch)
         except Exception as exc:  # a trace is a help, never a reason for the test to fail
             self.error = f"the profiler could not start: {exc!r}"
             self.stop()
@@ -114,6 +118,39 @@ class StepTrace:
         if self._done:
             self._remove_hook()
 
+    def _guard(self, torch: Any) -> None:
+        """Give way to a profiler the test starts itself: torch runs one at a time, and exporting a trace
+        whose session another profiler ended crashes the process."""
+        cls = torch.autograd.profiler.profile
+        original = getattr(cls, "_prepare_trace", None)
+        if original is None:
+            return
+        trace = self
+
+        def _prepare_trace(profiler: Any, *args: Any, **kwargs: Any) -> Any:
+            ours = trace._prof
+            if ours is not None and profiler is not getattr(ours, "profiler", None):
+                trace._abandon("the test started a profiler of its own")
+            return original(profiler, *args, **kwargs)
+
+        cls._prepare_trace = _prepare_trace
+
+        def restore() -> None:
+            if cls.__dict__.get("_prepare_trace") is _prepare_trace:
+                cls._prepare_trace = original
+
+        self._unguard = restore
+
+    def _abandon(self, reason: str) -> None:
+        self.error = reason
+        self._remove_hook()
+        prof, self._prof = self._prof, None
+        if prof is not None:
+            try:
+                prof.stop()
+            except Exception:
+                pass
+
     def _remove_hook(self) -> None:
         hook, self._hook = self._hook, None
         if hook is not None:
@@ -121,6 +158,9 @@ class StepTrace:
 
     def stop(self) -> None:
         self._remove_hook()
+        unguard, self._unguard = self._unguard, None
+        if unguard is not None:
+            unguard()
         prof = self._prof
         if prof is None:
             return

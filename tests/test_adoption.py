@@ -334,16 +334,40 @@ def test_trace_marks_a_lightning_training_step(user_models: pytest.Pytester) -> 
 def test_a_test_running_its_own_profiler_is_left_alone(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_prof="""
+        import pytest
         import torch
         from torch.profiler import profile
 
-        def test_profiles(torchperf):
-            with profile():
-                with torchperf.watch() as run:
-                    with run.step():
-                        torch.ones(2).sum().item()
+        def sync_steps(run):
+            for _ in range(2):
+                with run.step():
+                    torch.ones(2).sum().item()
+
+        def test_profiles_inside(torchperf):
+            with torchperf.watch() as run:
+                with profile() as prof:
+                    sync_steps(run)
+            assert any(e.name == "aten::sum" for e in prof.events())  # its own profiler saw everything
+
+        @pytest.fixture
+        def profiled():
+            with profile() as prof:
+                yield prof
+
+        def test_profiled_by_a_fixture(torchperf, profiled):
+            with torchperf.watch() as run:
+                sync_steps(run)
         """
     )
     result = pytester.runpytest("--torchperf-trace=traces")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["torchperf trace: not written: a profiler was already running"])
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_profiles_inside _*",
+            "torchperf: 1 invariant broken: no_host_sync*",
+            "torchperf trace: not written: the test started a profiler of its own",
+            "*_ test_profiled_by_a_fixture _*",
+            "torchperf trace: not written: a profiler was already running",
+        ]
+    )
+    assert not (pytester.path / "traces").exists()
