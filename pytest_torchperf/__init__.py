@@ -13,12 +13,11 @@ Importing this package never imports torch; torch is imported when a run starts.
 
 from __future__ import annotations
 
+from ._version import __version__
 from .options import Options, UsageError, parse_options
 from .report import CheckResult, Finding, InvariantViolation, Report, Site
 from .timing import NotMirrored, ParityResult, parity, vanilla_fit
 from .watch import Run, watch
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckResult",

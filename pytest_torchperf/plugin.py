@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import importlib.util
 import os
 import shutil
 import sys
@@ -306,11 +308,23 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
         raise baseline.KnownFindingsViolation(report, comparison)
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _require_torch() -> None:
+    """Watching needs torch: without it, a clear failure rather than an ImportError from deep inside."""
+    if not _torch_installed():
+        pytest.fail("pytest-torchperf: watching a test needs torch, which is not installed", pytrace=False)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     options = item.stash.get(_OPTIONS, None)
     if options is None:
         return (yield)
+    _require_torch()
     with _watching(options) as run:
         item.stash[_RUNS].append(("marker", run))
         result = yield
@@ -658,7 +672,10 @@ class _Adoption:
         tr.write_sep("-", "torchperf baseline")
         head = f"torchperf baseline {self.settings.baseline_path}: {len(known)} known finding"
         head += "s" if len(known) != 1 else ""
-        head += f", {len(failing)} new or higher, {len(self.stale)} stale"
+        if self.settings.baseline_update:
+            head += f", {len(failing)} new or higher (accepted), {len(self.stale)} stale (dropped)"
+        else:
+            head += f", {len(failing)} new or higher, {len(self.stale)} stale"
         tr.write_line(head)
         for nodeid, match in failing:
             tr.write_line(f"  {nodeid}: {match.describe()}", red=not self.settings.baseline_update)
@@ -704,6 +721,7 @@ class TorchperfFixture:
         """
         parse_options(kwargs, where="torchperf.watch()")  # the caller's own mistakes, named as theirs
         options = parse_options({**_session_defaults(self._item.config), **kwargs}, where="torchperf.watch()")
+        _require_torch()
         with _watching(options) as run:
             self._open.append(run)
             self._item.stash.setdefault(_RUNS, []).append(("fixture", run))
