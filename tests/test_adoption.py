@@ -148,7 +148,7 @@ def test_stale_entries_drop_on_update_and_unselected_tests_keep_theirs(pytester:
 def test_xdist_judges_and_writes_like_a_serial_run(pytester: pytest.Pytester) -> None:
     _suite(pytester)
     _suite(pytester, SUITE.replace("def test_", "def test_other_"), name="test_other")
-    pytester.runpytest_subprocess("--torchperf-baseline=serial.json", "--torchperf-baseline-update")
+    pytester.runpytest("--torchperf-baseline=serial.json", "--torchperf-baseline-update")
     parallel = pytester.runpytest_subprocess(
         "-n", "2", "--torchperf-baseline=parallel.json", "--torchperf-baseline-update"
     )
