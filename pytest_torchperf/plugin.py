@@ -28,7 +28,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import baseline, github, results, stacks, trace
+from . import adoption, baseline, results, stacks
 from .options import OVERHEAD_ROUNDS, SCOPES, Options, UsageError, _suggest, describe_options, parse_options
 from .report import FAILED, NOT_CHECKED, Block, InvariantViolation, Report
 from .timing import ParityResult, parity
@@ -41,8 +41,6 @@ TIMING_LOCK_ENV = "PYTEST_TORCHPERF_TIMING_LOCK"
 _OPTIONS = pytest.StashKey[Optional[Options]]()
 _RUNS = pytest.StashKey["list[tuple[str, Any]]"]()  # (source, a Run or a _Comparison)
 _SETTINGS = pytest.StashKey["Settings"]()
-_BASELINE = pytest.StashKey[Optional[baseline.Baseline]]()
-_TRACE = pytest.StashKey[Optional[trace.StepTrace]]()
 
 
 # -- settings ----------------------------------------------------------------------------
@@ -77,14 +75,11 @@ def _threads_arg(value: str) -> str:
 
 
 def _annotations_arg(value: str) -> str:
-    if value in ANNOTATIONS:
+    if value in adoption.ANNOTATIONS:
         return value
     raise argparse.ArgumentTypeError(
-        f"must be one of {', '.join(ANNOTATIONS)}, got {value!r}{_suggest(value, ANNOTATIONS)}"
+        f"must be one of {', '.join(adoption.ANNOTATIONS)}, got {value!r}{_suggest(value, adoption.ANNOTATIONS)}"
     )
-
-
-ANNOTATIONS = ("auto", "on", "off")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -118,42 +113,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="torch CPU threads per process: 'auto' (under xdist: cores / workers, unless OMP_NUM_THREADS "
         "or MKL_NUM_THREADS is set), 'off' or a number (ini: torchperf_threads; default auto)",
     )
-    group.addoption(
-        "--torchperf-baseline",
-        metavar="PATH",
-        default=None,
-        help="compare findings with this baseline file: known ones are reported and do not fail, new sites "
-        "and higher rates do (ini: torchperf_baseline, relative to the ini file)",
-    )
-    group.addoption(
-        "--torchperf-baseline-update",
-        action="store_true",
-        default=False,
-        help="write the baseline file from this run (findings do not fail; entries of tests that did not run "
-        "are kept, those of removed tests dropped)",
-    )
-    group.addoption(
-        "--torchperf-annotations",
-        metavar="WHEN",
-        type=_annotations_arg,
-        default=None,
-        help="print GitHub workflow commands (::error/::warning) at the line of each finding: 'auto' (when "
-        "GITHUB_ACTIONS=true), 'on' or 'off' (ini: torchperf_annotations; default auto)",
-    )
-    group.addoption(
-        "--torchperf-trace",
-        metavar="DIR",
-        default=None,
-        help=f"write a torch.profiler Chrome trace of the first {trace.STEPS} optimizer steps of each test failing "
-        "on a finding, findings marked, into DIR (ini: torchperf_trace)",
-    )
+    adoption.add_options(group, _annotations_arg)
     parser.addini("torchperf_json", "write the torchperf JSON report to this path", type="string", default="")
     parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
     parser.addini("torchperf_report_only", "report broken invariants without failing tests", type="bool", default=False)
     parser.addini("torchperf_threads", "torch CPU threads per process: auto, off or a number", type="string", default="")
-    parser.addini("torchperf_baseline", "the torchperf baseline file (relative to the ini file)", type="string", default="")
-    parser.addini("torchperf_annotations", "GitHub annotations: auto, on or off", type="string", default="")
-    parser.addini("torchperf_trace", "write Chrome traces of tests failing on a finding here", type="string", default="")
+    adoption.add_ini(parser)
 
 
 def resolve_settings(config: pytest.Config) -> Settings:
@@ -256,7 +221,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(controller, "torchperf-xdist")
         config.add_cleanup(controller.close)
     _apply_threads(config, settings)
-    _configure_adoption(config, settings)
+    adoption.configure(config, settings, _is_watched)
     config.pluginmanager.register(_Recorder(config, settings), "torchperf-recorder")
 
 
@@ -280,6 +245,11 @@ def _marker_options(item: pytest.Item) -> Optional[Options]:
     return parse_options(merged, where=f"@pytest.mark.{MARKER}")
 
 
+def _is_watched(item: pytest.Item) -> bool:
+    """The test carries the marker or asks for the fixture."""
+    return item.stash.get(_OPTIONS, None) is not None or MARKER in getattr(item, "fixturenames", ())
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     item.stash[_RUNS] = []
@@ -300,10 +270,9 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
     settings = item.config.stash[_SETTINGS]
     if report.passed or settings.report_only or settings.baseline_update:
         return
-    known = item.config.stash.get(_BASELINE, None)
-    if known is None:
+    comparison = adoption.judge(item.config, item.nodeid, report)
+    if comparison is None:
         raise InvariantViolation(report)
-    comparison = known.judge(item.nodeid, report)
     if comparison.failing:
         raise baseline.KnownFindingsViolation(report, comparison)
 
@@ -403,11 +372,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         properties = results.junit_properties(results.merge_checks(runs))
         item.user_properties.extend(properties)  # JUnit XML writes the teardown report's properties
     exc = call.excinfo.value if call.excinfo is not None else None
-    _attach_findings(item, report, exc)
     if isinstance(exc, InvariantViolation) and report.failed:
         verbose = (item.config.getoption("verbose", 0) or 0) > 0
         report.longrepr = TorchperfFailure(exc.report, item, verbose, getattr(exc, "comparison", None))
-    _attach_trace(item, report, exc)
+    finished = [run.report for _, run in item.stash.get(_RUNS, []) if run.report is not None]
+    adoption.attach(item, report, exc, finished)
     return report
 
 
@@ -471,225 +440,6 @@ class _Recorder:
         tr.write_line(line)
         if self.settings.json_path:
             tr.write_line(f"torchperf: JSON report written to {self.settings.json_path}")
-
-
-# -- adoption: the baseline ratchet, GitHub annotations, traces --------------------------------
-
-
-def _configure_adoption(config: pytest.Config, settings: Settings) -> None:
-    """Load the baseline (every process judges its own tests) and register what the options ask for."""
-    known = None
-    if settings.baseline_path:
-        try:
-            known = baseline.Baseline.load(settings.baseline_path, missing_ok=settings.baseline_update)
-        except baseline.BaselineError as exc:
-            raise pytest.UsageError(f"pytest-torchperf: {exc}") from None
-    config.stash[_BASELINE] = known
-    if settings.trace_dir:
-        config.pluginmanager.register(_Tracer(), "torchperf-trace")
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:
-        if known is not None:
-            config.pluginmanager.register(_WorkerCollection(config), "torchperf-collection")
-        return
-    adoption = _Adoption(config, settings, known)
-    config.pluginmanager.register(adoption, "torchperf-adoption")
-    if known is not None and config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") != "no":
-        config.pluginmanager.register(_XdistCollection(adoption), "torchperf-xdist-collection")
-
-
-def _observations(item: pytest.Item) -> list[baseline.Observation]:
-    return [
-        obs for _, run in item.stash.get(_RUNS, []) if run.report is not None for obs in baseline.observe(run.report)
-    ]
-
-
-def _attach_findings(item: pytest.Item, report: pytest.TestReport, exc: Optional[BaseException]) -> None:
-    """What the controller needs for the baseline and annotations, as plain data on the report."""
-    observations = _observations(item)
-    if not observations:
-        return
-    report.torchperf_findings = [obs.to_dict() for obs in observations]  # type: ignore[attr-defined]
-    report.torchperf_failed_on_findings = isinstance(exc, InvariantViolation)  # type: ignore[attr-defined]
-    if report.passed:  # known, report-only or baseline update: the report stays at hand (-rP, JUnit)
-        text = "\n\n".join(
-            run.report.render() for _, run in item.stash.get(_RUNS, []) if run.report and not run.report.passed
-        )
-        report.sections.append(("torchperf: broken invariants that did not fail the test", text))
-
-
-def _attach_trace(item: pytest.Item, report: pytest.TestReport, exc: Optional[BaseException]) -> None:
-    recorder = item.stash.get(_TRACE, None)
-    if recorder is None:
-        return
-    item.stash[_TRACE] = None
-    if not (isinstance(exc, InvariantViolation) and report.failed):
-        recorder.discard()
-        return
-    directory = item.config.stash[_SETTINGS].trace_dir
-    assert directory is not None
-    path = recorder.save(directory, item.nodeid, _observations(item))
-    if path is not None:
-        steps = min(recorder.recorded_steps, trace.STEPS)
-        span = f"the test body through optimizer step {steps}" if steps else "the whole test body (no optimizer step)"
-        note = (
-            f"torchperf trace: {path} (torch.profiler, {span}; findings marked as torchperf user annotations; "
-            "open in Perfetto or TensorBoard)"
-        )
-    else:
-        note = f"torchperf trace: not written: {recorder.error}"
-    report.torchperf_trace = path  # type: ignore[attr-defined]
-    if isinstance(report.longrepr, TorchperfFailure):
-        report.longrepr.notes.append(note)
-
-
-class _Tracer:
-    """Registered with ``--torchperf-trace``: records each watched test body's first optimizer steps."""
-
-    @pytest.hookimpl(wrapper=True, trylast=True)  # innermost: the body only, not the verdict or a replay
-    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, Any, Any]:
-        if item.stash.get(_OPTIONS, None) is None and MARKER not in getattr(item, "fixturenames", ()):
-            return (yield)
-        recorder = item.stash[_TRACE] = trace.StepTrace()
-        recorder.start()
-        try:
-            return (yield)
-        finally:
-            recorder.stop()
-
-
-class _WorkerCollection:
-    """On an xdist worker: hands the controller the test ids it collected, for the baseline's stale entries."""
-
-    def __init__(self, config: pytest.Config) -> None:
-        self.config = config
-
-    @pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect drop any
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        self.config.workeroutput["torchperf_collected"] = [i.nodeid for i in items]  # type: ignore[attr-defined]
-
-
-class _XdistCollection:
-    def __init__(self, adoption: "_Adoption") -> None:
-        self.adoption = adoption
-
-    def pytest_testnodedown(self, node: Any, error: Any) -> None:
-        collected = getattr(node, "workeroutput", {}).get("torchperf_collected")
-        if collected and self.adoption.session is not None:
-            self.adoption.session.collected.update(collected)
-
-
-class _Adoption:
-    """On the xdist controller (or the only process): known / new / stale findings, the baseline update, annotations."""
-
-    def __init__(self, config: pytest.Config, settings: Settings, known: Optional[baseline.Baseline]) -> None:
-        self.config = config
-        self.settings = settings
-        self.session = baseline.Session(known) if known is not None else None
-        self.annotate = github.enabled(settings.annotations)
-        #: (test id, its observations, whether findings failed it, the test's own (file, line)).
-        self.tests: list[tuple[str, list[baseline.Observation], bool, tuple[str, int]]] = []
-        self.stale: list[baseline.Stale] = []
-        self.written: Optional[str] = None
-        if self.session is not None:
-            self.session.narrowed_files = self._narrowed_files()
-
-    def _narrowed_files(self) -> set[str]:
-        """Files the command line named with ``::`` selectors: their other tests were not collected."""
-        files = set()
-        for arg in self.config.args:
-            if "::" in arg:
-                path = os.path.join(str(self.config.invocation_params.dir), arg.split("::", 1)[0])
-                files.add(os.path.relpath(path, str(self.config.rootpath)).replace(os.sep, "/"))
-        return files
-
-    def _exists(self, path: str) -> bool:
-        return os.path.exists(os.path.join(str(self.config.rootpath), path))
-
-    @pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect drop any
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        if self.session is not None:
-            self.session.collected.update(i.nodeid for i in items)
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when != "call":
-            return
-        data = getattr(report, "torchperf_findings", None) or []
-        observations = [baseline.Observation.from_dict(d) for d in data]
-        on_findings = bool(getattr(report, "torchperf_failed_on_findings", False)) and report.failed
-        if self.session is not None and (report.passed or on_findings):
-            self.session.record(report.nodeid, observations)
-        if observations:
-            path, lineno, _ = report.location
-            fallback = (os.path.join(str(self.config.rootpath), path), (lineno or 0) + 1)
-            self.tests.append((report.nodeid, observations, on_findings, fallback))
-
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self.session is None:
-            return
-        self.stale = self.session.stale(self._exists)
-        if self.settings.baseline_update and self.settings.baseline_path:
-            refreshed = self.session.refreshed(self._exists)
-            refreshed.write(self.settings.baseline_path)
-            self.written = self.settings.baseline_path
-
-    def _levels(self) -> list[tuple[str, baseline.Observation, str, str, tuple[str, int]]]:
-        """Each finding with its verdict: (test, observation, error|warning, note, fallback location)."""
-        out = []
-        for nodeid, observations, on_findings, fallback in self.tests:
-            entries = self.session.baseline.entries(nodeid) if self.session is not None else []
-            statuses = {id(m.observation): m.status for m in baseline.compare(observations, entries).matches}
-            for obs in observations:
-                status = statuses[id(obs)] if self.session is not None else "new"
-                if status == "known":
-                    level, note = github.WARNING, "known in the baseline"
-                elif on_findings:
-                    level, note = github.ERROR, ""
-                elif self.settings.baseline_update:
-                    level, note = github.WARNING, "accepted into the baseline"
-                else:
-                    level, note = github.WARNING, "report only"
-                out.append((nodeid, obs, level, note, fallback))
-        return out
-
-    @pytest.hookimpl(trylast=True)  # after the torchperf summary
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        tr = terminalreporter
-        if self.session is not None:
-            self._baseline_summary(tr)
-        if self.annotate:
-            found = [(n, o, level, note, fb) for n, o, level, note, fb in self._levels()]
-            workspace = os.environ.get("GITHUB_WORKSPACE") or None
-            for annotation in github.annotations(found, rootdir=str(self.config.rootpath), workspace=workspace):
-                tr.write_line(annotation.text())
-
-    def _baseline_summary(self, tr: Any) -> None:
-        assert self.session is not None
-        verbose = (self.config.getoption("verbose", 0) or 0) > 0
-        comparisons = self.session.comparisons()
-        failing = [(n, m) for n, c in comparisons.items() for m in c.failing]
-        known = [(n, m) for n, c in comparisons.items() for m in c.known]
-        tr.write_sep("-", "torchperf baseline")
-        head = f"torchperf baseline {self.settings.baseline_path}: {len(known)} known finding"
-        head += "s" if len(known) != 1 else ""
-        if self.settings.baseline_update:
-            head += f", {len(failing)} new or higher (accepted), {len(self.stale)} stale (dropped)"
-        else:
-            head += f", {len(failing)} new or higher, {len(self.stale)} stale"
-        tr.write_line(head)
-        for nodeid, match in failing:
-            tr.write_line(f"  {nodeid}: {match.describe()}", red=not self.settings.baseline_update)
-        if verbose:
-            for nodeid, match in known:
-                tr.write_line(f"  {nodeid}: {match.describe()}")
-        for stale in self.stale:
-            tr.write_line(f"  {stale.describe()}", yellow=True)
-        if self.written:
-            tests = self.session.refreshed(self._exists).tests
-            entries = sum(len(baseline.merge_observations(e)) for e in tests.values())
-            tr.write_line(f"torchperf baseline: wrote {self.written} ({entries} entries in {len(tests)} tests)")
-        elif self.stale:
-            tr.write_line("torchperf baseline: refresh it with --torchperf-baseline-update to drop the stale entries")
 
 
 # -- the fixture ----------------------------------------------------------------------------
