@@ -18,6 +18,7 @@ or :func:`register`.
 
 from __future__ import annotations
 
+from ._version import __version__
 from .arguments import Argument, Choice, Flag, Integer, Number, SiteList, UsageError
 from .core import EVENTS, Check, Run
 from .options import Options, parse_options
@@ -26,8 +27,6 @@ from .registry import ENTRY_POINT_GROUP, Invariant, register, unregister
 from .report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, InvariantViolation, Report, Site
 from .timing import NotMirrored, ParityResult, parity, vanilla_fit
 from .watch import watch
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Argument",

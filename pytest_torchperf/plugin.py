@@ -5,33 +5,32 @@ this module decides when to watch, turns a broken invariant into a failed
 test report, and records every watched test's verdicts for the terminal
 summary, JUnit properties and the JSON report (on the xdist controller, from
 the reports its workers send). An unmarked test that does not request the
-fixture costs one marker lookup.
-
-Precedence of every setting: marker (or ``torchperf.watch()`` argument) >
-command line > ini file > default. Command-line defaults are None so they
-never shadow an ini value.
+fixture costs one marker lookup. The options and their precedence are in
+:mod:`pytest_torchperf.settings`; the baseline, annotations and traces in
+:mod:`pytest_torchperf.adoption`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import functools
+import importlib.util
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import project, results, stacks
-from .arguments import UsageError, suggest
-from .options import OVERHEAD_INCONCLUSIVE, OVERHEAD_ROUNDS, SCOPES, Options, describe_options, parse_options
-from .report import FAILED, INCONCLUSIVE, NOT_CHECKED, Inconclusive, InvariantViolation, Report, settle
+from . import adoption, baseline, project, results, stacks
+from .arguments import UsageError
+from .core import Run
+from .options import OVERHEAD_ROUNDS, Options, describe_options, parse_options
+from .report import FAILED, INCONCLUSIVE, NOT_CHECKED, Block, Inconclusive, InvariantViolation, Report, settle
+from .settings import Settings, add_options, apply_threads, resolve_settings, session_defaults
 from .text import plural
 from .timing import ParityResult, parity
-from .core import Run
 from .watch import stop as _stop_run
 from .watch import watching
 
@@ -45,188 +44,8 @@ _SETTINGS = pytest.StashKey["Settings"]()
 _SKIPPED = pytest.StashKey[bool]()  # the test was skipped for an inconclusive verdict
 
 
-# -- settings ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Session-wide settings, resolved once from the command line, the ini file and defaults."""
-
-    scope: Optional[str] = None  # None: each marker's own default
-    report_only: bool = False
-    json_path: Optional[str] = None
-    threads: str = "auto"  # "auto", "off" or a positive integer
-    overhead_inconclusive: Optional[str] = None  # None: each marker's own default
-    max_sync_rate: Optional[float] = None  # None: each marker's own default
-    user_packages: tuple[str, ...] = ()  # import names counted as the user's code even when installed
-
-
-def _scope_arg(value: str) -> str:
-    if value not in SCOPES:
-        raise argparse.ArgumentTypeError(
-            f"must be one of {', '.join(SCOPES)}, got {value!r}{suggest(value, SCOPES)}"
-        )
-    return value
-
-
-def _inconclusive_arg(value: str) -> str:
-    if value not in OVERHEAD_INCONCLUSIVE:
-        raise argparse.ArgumentTypeError(
-            f"must be one of {', '.join(OVERHEAD_INCONCLUSIVE)}, got {value!r}{suggest(value, OVERHEAD_INCONCLUSIVE)}"
-        )
-    return value
-
-
-def _threads_arg(value: str) -> str:
-    if value in ("auto", "off") or (value.isdigit() and int(value) > 0):
-        return value
-    raise argparse.ArgumentTypeError(f"must be 'auto', 'off' or a positive integer, got {value!r}")
-
-
-def _rate_arg(value: str) -> float:
-    try:
-        rate = float(value)
-    except ValueError:
-        rate = -1.0
-    if not 0 <= rate <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {value!r}")
-    return rate
-
-
-def _packages_arg(value: str) -> tuple[str, ...]:
-    return tuple(name.strip() for name in value.replace(",", " ").split() if name.strip())
-
-
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("torchperf", "PyTorch/Lightning performance invariants (pytest-torchperf)")
-    group.addoption(
-        "--torchperf-json",
-        metavar="PATH",
-        default=None,
-        help="write every watched test's verdicts and figures to this JSON file (ini: torchperf_json)",
-    )
-    group.addoption(
-        "--torchperf-scope",
-        metavar="SCOPE",
-        type=_scope_arg,
-        default=None,
-        help=f"default scope of the step checks for every marker and watch: {', '.join(SCOPES)} "
-        "(a marker's own scope= wins; ini: torchperf_scope)",
-    )
-    group.addoption(
-        "--torchperf-report-only",
-        action="store_true",
-        default=None,
-        help="report broken invariants without failing tests, to adopt the plugin on an existing suite "
-        "(ini: torchperf_report_only)",
-    )
-    group.addoption(
-        "--torchperf-threads",
-        metavar="N",
-        type=_threads_arg,
-        default=None,
-        help="torch CPU threads per process: 'auto' (under xdist: cores / workers, unless OMP_NUM_THREADS "
-        "or MKL_NUM_THREADS is set), 'off' or a number (ini: torchperf_threads; default auto)",
-    )
-    group.addoption(
-        "--torchperf-overhead-inconclusive",
-        metavar="ACTION",
-        type=_inconclusive_arg,
-        default=None,
-        help="what a max_overhead verdict that stays inconclusive (its interval includes the threshold after "
-        "overhead_rounds) does to the test: fail (default), skip, or warn (pass with a warning); a marker's own "
-        "overhead_inconclusive= wins (ini: torchperf_overhead_inconclusive)",
-    )
-    group.addoption(
-        "--torchperf-max-sync-rate",
-        metavar="RATE",
-        type=_rate_arg,
-        default=None,
-        help="default max_sync_rate of no_host_sync: a site that syncs in at most this share of the steps "
-        "(0.1: every 10th step or rarer) or once per epoch is a note; 0 fails on every sync "
-        "(a marker's own max_sync_rate= wins; ini: torchperf_max_sync_rate)",
-    )
-    group.addoption(
-        "--torchperf-user-packages",
-        metavar="NAMES",
-        type=_packages_arg,
-        default=None,
-        help="comma-separated import packages that are your code even when installed in site-packages "
-        "(the rootdir project's own packages always are; ini: torchperf_user_packages)",
-    )
-    parser.addini("torchperf_json", "write the torchperf JSON report to this path", type="string", default="")
-    parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
-    parser.addini("torchperf_report_only", "report broken invariants without failing tests", type="bool", default=False)
-    parser.addini("torchperf_threads", "torch CPU threads per process: auto, off or a number", type="string", default="")
-    parser.addini(
-        "torchperf_overhead_inconclusive",
-        f"what an inconclusive max_overhead verdict does: {', '.join(OVERHEAD_INCONCLUSIVE)}",
-        type="string",
-        default="",
-    )
-    parser.addini("torchperf_max_sync_rate", "default max_sync_rate of no_host_sync (0 to 1)", type="string", default="")
-    parser.addini(
-        "torchperf_user_packages", "import packages that are your code even when installed", type="args", default=[]
-    )
-
-
-def resolve_settings(config: pytest.Config) -> Settings:
-    """Command line > ini > default, with ini values validated like command-line ones."""
-
-    def ini(name: str, check: Any) -> Optional[str]:
-        value = str(config.getini(name) or "").strip()
-        if not value:
-            return None
-        try:
-            return check(value)
-        except argparse.ArgumentTypeError as exc:
-            raise pytest.UsageError(f"pytest-torchperf: ini option {name} {exc}") from None
-
-    scope = config.getoption("torchperf_scope") or ini("torchperf_scope", _scope_arg)
-    report_only = config.getoption("torchperf_report_only")
-    if report_only is None:
-        report_only = bool(config.getini("torchperf_report_only"))
-    json_path = config.getoption("torchperf_json") or ini("torchperf_json", str)
-    if json_path:
-        json_path = os.path.join(str(config.invocation_params.dir), os.path.expanduser(json_path))
-    threads = config.getoption("torchperf_threads") or ini("torchperf_threads", _threads_arg) or "auto"
-    inconclusive = config.getoption("torchperf_overhead_inconclusive") or ini(
-        "torchperf_overhead_inconclusive", _inconclusive_arg
-    )
-    max_sync_rate = config.getoption("torchperf_max_sync_rate")
-    if max_sync_rate is None:
-        max_sync_rate = ini("torchperf_max_sync_rate", _rate_arg)
-    named = config.getoption("torchperf_user_packages")
-    where = "--torchperf-user-packages"
-    if named is None:
-        named, where = tuple(config.getini("torchperf_user_packages") or ()), "ini option torchperf_user_packages"
-    try:
-        user_packages = project.check_names(named, where)
-    except UsageError as exc:
-        raise pytest.UsageError(str(exc)) from None
-    return Settings(
-        scope=scope, report_only=report_only, json_path=json_path, threads=threads,
-        max_sync_rate=max_sync_rate, user_packages=user_packages, overhead_inconclusive=inconclusive,
-    )
-
-
-def _apply_threads(config: pytest.Config, settings: Settings) -> None:
-    """Keep xdist workers from oversubscribing the cores (or pin the count the user asked for)."""
-    workerinput = getattr(config, "workerinput", None)
-    if settings.threads == "off":
-        return
-    if settings.threads == "auto":
-        if workerinput is None or os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
-            return
-        workers = int(workerinput.get("workercount", 1) or 1)
-        threads = max(1, (os.cpu_count() or 1) // workers)
-    else:
-        threads = int(settings.threads)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(threads)
-    else:  # read by torch when it is imported; never import it here
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+    add_options(parser)
 
 
 class _XdistController:
@@ -265,7 +84,8 @@ def pytest_configure(config: pytest.Config) -> None:
         controller = _XdistController()
         config.pluginmanager.register(controller, "torchperf-xdist")
         config.add_cleanup(controller.close)
-    _apply_threads(config, settings)
+    apply_threads(config, settings)
+    adoption.configure(config, settings, _is_watched)
     config.pluginmanager.register(_Recorder(config, settings), "torchperf-recorder")
 
 
@@ -281,15 +101,7 @@ def _count_user_packages(config: pytest.Config, settings: Settings) -> None:
 
 
 def _session_defaults(config: pytest.Config) -> dict[str, Any]:
-    settings = config.stash[_SETTINGS]
-    defaults: dict[str, Any] = {}
-    if settings.scope:
-        defaults["scope"] = settings.scope
-    if settings.overhead_inconclusive:
-        defaults["overhead_inconclusive"] = settings.overhead_inconclusive
-    if settings.max_sync_rate is not None:
-        defaults["max_sync_rate"] = settings.max_sync_rate
-    return defaults
+    return session_defaults(config.stash[_SETTINGS])
 
 
 def _marker_options(item: pytest.Item) -> Optional[Options]:
@@ -318,14 +130,39 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.fail(f"pytest-torchperf: {error}", pytrace=False)
 
 
-def _verdict(item: pytest.Item, report: Report) -> None:
-    """Fail the test on a broken invariant (unless the session only reports); skip it or warn for an
-    inconclusive one, as ``overhead_inconclusive`` says."""
+def _is_watched(item: pytest.Item) -> bool:
+    """The test carries the marker or asks for the fixture."""
+    return item.stash.get(_OPTIONS, None) is not None or MARKER in getattr(item, "fixturenames", ())
+
+
+def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
+    """Fail the test on a broken invariant, unless the session only reports or the baseline knows it;
+    skip it or warn for an inconclusive one, as ``overhead_inconclusive`` says."""
+    assert report is not None
+    settings = item.config.stash[_SETTINGS]
+    fail = not (settings.report_only or settings.baseline_update)
+    if fail and not report.passed:
+        comparison = adoption.judge(item.config, item.nodeid, report)
+        if comparison is not None:
+            if comparison.failing:
+                raise baseline.KnownFindingsViolation(report, comparison)
+            fail = False  # every finding is one the baseline knows
     try:
-        settle(report, fail=not item.config.stash[_SETTINGS].report_only)
+        settle(report, fail=fail)
     except Inconclusive as exc:
         item.stash[_SKIPPED] = True
         pytest.skip(str(exc))
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _require_torch() -> None:
+    """Watching needs torch: without it, a clear failure rather than an ImportError from deep inside."""
+    if not _torch_installed():
+        pytest.fail("pytest-torchperf: watching a test needs torch, which is not installed", pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -333,6 +170,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     options = item.stash.get(_OPTIONS, None)
     if options is None:
         return (yield)
+    _require_torch()
     with watching(options) as run:
         item.stash[_RUNS].append(("marker", run))
         result = yield
@@ -356,21 +194,39 @@ class _Crash:
 class TorchperfFailure:
     """A failed test's ``longrepr``: the summary line, then one section per broken invariant."""
 
-    def __init__(self, report: Report, item: pytest.Item, verbose: bool) -> None:
+    def __init__(
+        self, report: Report, item: pytest.Item, verbose: bool, comparison: Optional[baseline.Comparison] = None
+    ) -> None:
         self.report = report
         self.verbose = verbose
+        self.comparison = comparison
+        #: Lines shown after the report (the trace's path).
+        self.notes: list[str] = []
         path, lineno, _ = item.location
-        self.reprcrash = _Crash(path, (lineno or 0) + 1, report.summary_line())
+        message = comparison.summary_line() if comparison is not None else report.summary_line()
+        self.reprcrash = _Crash(path, (lineno or 0) + 1, message)
+
+    def _blocks(self) -> list[Block]:
+        blocks = self.report.blocks(self.verbose)
+        if self.comparison is not None:
+            lines = [self.comparison.summary_line()]
+            blocks = [Block(None, lines), Block("torchperf: baseline", self.comparison.lines())] + blocks
+        if self.notes:
+            blocks.append(Block(None, list(self.notes)))
+        return blocks
 
     def toterminal(self, tw: Any) -> None:
-        for block in self.report.blocks(self.verbose):
+        for block in self._blocks():
             if block.title is not None:
                 tw.sep("-", block.title, red=True)
             for line in block.lines:
                 tw.line(line)
 
     def __str__(self) -> str:
-        return self.report.render(self.verbose)
+        text = self.report.render(self.verbose)
+        if self.comparison is not None:
+            text = "\n".join([self.comparison.summary_line(), *self.comparison.lines(), text])
+        return "\n".join([text, *self.notes])
 
 
 def _run_data(source: str, run: Any) -> dict[str, Any]:
@@ -399,7 +255,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.longrepr = (os.fspath(path), (lineno or 0) + 1, report.longrepr[2])
     if isinstance(exc, InvariantViolation) and report.failed:
         verbose = (item.config.getoption("verbose", 0) or 0) > 0
-        report.longrepr = TorchperfFailure(exc.report, item, verbose)
+        report.longrepr = TorchperfFailure(exc.report, item, verbose, getattr(exc, "comparison", None))
+    finished = [run.report for _, run in item.stash.get(_RUNS, []) if run.report is not None]
+    adoption.attach(item, report, exc, finished)
     return report
 
 
@@ -505,6 +363,7 @@ class TorchperfFixture:
         """
         parse_options(kwargs, where="torchperf.watch()")  # the caller's own mistakes, named as theirs
         options = parse_options({**_session_defaults(self._item.config), **kwargs}, where="torchperf.watch()")
+        _require_torch()
         with watching(options) as run:
             self._open.append(run)
             self._item.stash.setdefault(_RUNS, []).append(("fixture", run))

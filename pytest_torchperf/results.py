@@ -33,6 +33,7 @@ import platform
 import sys
 from typing import Any, Iterable, Optional
 
+from ._version import __version__
 from .report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED
 
 __all__ = ["SCHEMA_VERSION", "environment", "test_entry", "document", "write", "junit_properties"]
@@ -83,6 +84,7 @@ def environment(extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     }
     for name in _PACKAGES:
         env[name] = _version(_DISTRIBUTIONS[name])
+    env["pytest_torchperf"] = __version__  # the code running, whatever metadata an editable install left
     env.update(extra or {})
     return env
 

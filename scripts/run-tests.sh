@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Set up and run the test suite on a fresh machine with only python3.
+# Set up and run the test suite on a fresh machine with only python3 (and pyenv's 3.9 and 3.13).
 #   .venv/                 torch 2.13.0 (CPU), current pytorch-lightning, pytest, pytest-xdist, this plugin
-#   .torchperf-envs/       pytorch-lightning 1.5.0 and 1.5.1 for the seed-bug integration test
-# Extra arguments go to pytest.
+#   .torchperf-envs/       pytorch-lightning 1.5.0 and 1.5.1 for the seed-bug integration test, and the
+#                          compatibility environments (scripts/compat-envs.sh)
+# Extra arguments go to pytest. Without any (as CI runs it), the package check
+# (scripts/check-package.sh) and the compatibility runs (scripts/run-compat.sh) follow the
+# suite; TORCHPERF_COMPAT=0 leaves them out.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -17,5 +20,10 @@ status=0
 if [ "$status" -eq 5 ]; then
   echo "run-tests: pytest selected no test"
   status=0
+fi
+if [ "$#" -eq 0 ] && [ "${TORCHPERF_COMPAT:-1}" != 0 ]; then
+  echo; echo "=== The package: sdist and wheel, installed in a fresh environment"
+  bash scripts/check-package.sh || status=1
+  bash scripts/run-compat.sh || status=1
 fi
 exit "$status"

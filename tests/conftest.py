@@ -8,19 +8,28 @@ loader/trainer factories, so each test file only holds the test under test.
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
 # In-process pytester runs drop the modules a run imported when it ends; torch
 # and Lightning cannot be imported twice in one process (operator registries),
 # so import them once here, before any inner run.
-import torch  # noqa: F401
-import torch._dynamo  # noqa: F401
+try:
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+except ImportError:  # the torch-free compatibility runs (see scripts/compat-envs.sh)
+    torch = None  # type: ignore[assignment]
 
 try:
     import pytorch_lightning  # noqa: F401
 except ImportError:  # pragma: no cover
     pass
+
+#: The test modules that need no torch: without it, only these are collected.
+TORCH_FREE = ("test_baseline.py", "test_github.py", "test_torch_free.py")
+if torch is None:
+    collect_ignore = [p.name for p in Path(__file__).parent.glob("*.py") if p.name not in TORCH_FREE + ("conftest.py",)]
 
 # The plugin's invariants and probes are loaded by the registry when a run first
 # needs them; load them once here, so in-process inner runs share them.

@@ -244,6 +244,8 @@ def test_user_thread_settings_are_respected(pytester: pytest.Pytester, monkeypat
 
 def test_threads_option_pins_a_serial_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    # This suite may itself run under xdist, whose workers carry the session's lock: a serial run has none.
+    monkeypatch.delenv("PYTEST_TORCHPERF_TIMING_LOCK", raising=False)
     pytester.makepyfile(test_threads=THREADS_PROBE)
     pytester.runpytest_subprocess("--torchperf-threads=1").assert_outcomes(passed=1)
     assert (pytester.path / "probe.txt").read_text() == "threads: 1 lock: None"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The package as users get it: `python -m build` makes an sdist and a wheel, each is installed
+# into a fresh virtual environment (with torch 2.13.0, the CPU wheel) and must pass
+# scripts/smoke_test.py, run from outside the repository.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+python=${PYTHON:-python3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check build  # the CI/test path only
+if ! .venv/bin/python -m build --outdir "$work/dist" "$root" >"$work/build.log" 2>&1; then
+  cat "$work/build.log"
+  exit 1
+fi
+wheel=$(ls "$work"/dist/*.whl)
+sdist=$(ls "$work"/dist/*.tar.gz)
+echo "check-package: built $(basename "$sdist") and $(basename "$wheel")"
+"$python" -m venv "$work/venv"
+pip=("$work/venv/bin/python" -m pip install -q --disable-pip-version-check)
+# torch pinned: the package asks for torch>=2.1, and only this version's CPU wheel is wanted here.
+"${pip[@]}" torch==2.13.0 "$wheel"
+(cd "$work" && "$work/venv/bin/python" "$root/scripts/smoke_test.py" wheel)
+"${pip[@]}" --force-reinstall --no-deps "$sdist"
+(cd "$work" && "$work/venv/bin/python" "$root/scripts/smoke_test.py" sdist)

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Side environments for the compatibility runs (scripts/run-compat.sh). Idempotent: an
+# environment that already has what it is for is kept. Each holds this plugin installed
+# from the working tree (not editable: pytest 7.0 cannot rewrite an editable finder).
+#
+#   lightning      Python 3 (this one), torch 2.13.0, the unified `lightning` package and NOT
+#                  pytorch_lightning, pytest, pytest-xdist
+#   pytest-oldest  Python 3 (this one), torch 2.13.0, pytorch-lightning, the oldest pytest and
+#                  pluggy this plugin supports (PYTEST_OLDEST, PLUGGY_OLDEST), pytest-xdist
+#   python-3.9     the oldest Python supported, the oldest pytest and pluggy, no torch
+#   python-3.13    the newest Python supported, the newest pytest, no torch
+#
+# torch is only installed where a CPU wheel of the pinned version exists locally; the
+# Python 3.9 and 3.13 environments run the torch-free part of the suite.
+#   TORCHPERF_COMPAT_ENVS  where to put them (default: .torchperf-envs/ in the repo)
+#   PYTHON39, PYTHON313    interpreters to use (default: python3.9 / python3.13 on PATH or from pyenv)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+dest=${TORCHPERF_COMPAT_ENVS:-$root/.torchperf-envs}
+python=${PYTHON:-python3}
+PYTEST_OLDEST=${PYTEST_OLDEST:-7.0.0}
+PLUGGY_OLDEST=${PLUGGY_OLDEST:-1.2.0}
+mkdir -p "$dest"
+
+# The plugin's files: an environment whose copy differs from the working tree is refreshed.
+stamp=$(cd "$root" && cat pyproject.toml pytest_torchperf/*.py pytest_torchperf/checks/*.py | sha1sum | cut -c1-16)
+
+find_python() {  # find_python 3.9: an interpreter of exactly that version, or nothing
+  local version=$1 candidate pyenv_root override="PYTHON${1/./}"
+  pyenv_root=$(pyenv root 2>/dev/null || true)
+  for candidate in "${!override:-}" "$(command -v "python$version" 2>/dev/null || true)" \
+      ${pyenv_root:+"$pyenv_root"/versions/"$version".*/bin/python"$version"}; do
+    [ -n "$candidate" ] && [ -x "$candidate" ] || continue
+    if "$candidate" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$version'.split('.'))))" \
+        >/dev/null 2>&1; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  return 1
+}
+
+pip_in() { "$1/bin/python" -m pip install -q --disable-pip-version-check "${@:2}"; }
+
+# build NAME INTERPRETER CHECK-CODE INSTALL-FUNCTION
+build() {
+  local name=$1 interpreter=$2 check=$3 install=$4 env="$dest/$1"
+  if [ -f "$env/.torchperf-stamp" ] && [ "$(cat "$env/.torchperf-stamp")" = "$stamp" ] \
+      && "$env/bin/python" -c "$check" >/dev/null 2>&1; then
+    echo "compat-envs: $env is ready"
+    return 0
+  fi
+  if [ -x "$env/bin/python" ] && "$env/bin/python" -c "$check" >/dev/null 2>&1; then
+    echo "compat-envs: $env: refreshing the plugin"
+  else
+    echo "compat-envs: building $env"
+    rm -rf "$env"
+    "$interpreter" -m venv "$env"
+    "$install" "$env"
+  fi
+  # Not editable, no dependencies: the environment's own pytest and torch stay as they are.
+  pip_in "$env" --no-deps --force-reinstall "$root"
+  rm -rf "$root/build"
+  "$env/bin/python" -c "$check"
+  echo "$stamp" > "$env/.torchperf-stamp"
+}
+
+install_lightning() {
+  pip_in "$1" torch==2.13.0 pytest pytest-xdist
+  # `lightning` declares pytorch-lightning as a dependency but never imports it: leave it out,
+  # so nothing can fall back to the older package, and install what `lightning` does import.
+  pip_in "$1" --no-deps lightning
+  pip_in "$1" lightning-utilities torchmetrics fsspec packaging PyYAML tqdm typing-extensions 2>&1 \
+    | { grep -v "pytorch-lightning, which is not installed\|dependency resolver does not currently" || true; }
+}
+install_pytest_oldest() {
+  pip_in "$1" torch==2.13.0 "pytest==$PYTEST_OLDEST" "pluggy==$PLUGGY_OLDEST" pytest-xdist pytorch-lightning
+}
+install_python_oldest() { pip_in "$1" "pytest==$PYTEST_OLDEST" "pluggy==$PLUGGY_OLDEST" pytest-xdist; }
+install_python_newest() { pip_in "$1" pytest pytest-xdist; }
+
+build lightning "$python" \
+  "import lightning.pytorch, pytest_torchperf, xdist, importlib.util as u; assert u.find_spec('pytorch_lightning') is None" \
+  install_lightning
+build pytest-oldest "$python" \
+  "import torch, pytorch_lightning, pytest, pluggy, pytest_torchperf; assert pytest.__version__ == '$PYTEST_OLDEST'" \
+  install_pytest_oldest
+missing=0
+for version in 3.9 3.13; do
+  if ! interpreter=$(find_python "$version"); then
+    echo "compat-envs: no Python $version found (set PYTHON${version/./})" >&2
+    missing=1
+    continue
+  fi
+  if [ "$version" = 3.9 ]; then
+    build "python-$version" "$interpreter" \
+      "import pytest, pytest_torchperf; assert pytest.__version__ == '$PYTEST_OLDEST'" install_python_oldest
+  else
+    build "python-$version" "$interpreter" "import pytest, xdist, pytest_torchperf" install_python_newest
+  fi
+done
+exit "$missing"
