@@ -23,7 +23,7 @@ PLUGGY_OLDEST=${PLUGGY_OLDEST:-1.2.0}
 mkdir -p "$dest"
 
 # The plugin's files: an environment whose copy differs from the working tree is refreshed.
-stamp=$(cd "$root" && cat pyproject.toml pytest_torchperf/*.py pytest_torchperf/checks/*.py | sha1sum | cut -c1-16)
+stamp=$(cd "$root" && find pyproject.toml pytest_torchperf -name "*.py" -o -name pyproject.toml | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-16)
 
 find_python() {  # find_python 3.9: an interpreter of exactly that version, or nothing
   local version=$1 candidate pyenv_root override="PYTHON${1/./}"
