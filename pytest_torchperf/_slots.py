@@ -35,7 +35,7 @@ import sys
 import sysconfig
 from typing import Any, Optional
 
-__all__ = ["TWIN_NAMES", "SlotGuard", "supported", "table_bytes"]
+__all__ = ["TWIN_NAMES", "SlotGuard", "live_guards", "supported", "table_bytes"]
 
 _PTR = ctypes.sizeof(ctypes.c_void_p)
 _HEAPTYPE = 1 << 9
@@ -44,12 +44,18 @@ _AS_NUMBER, _AS_SEQUENCE, _AS_MAPPING = 9, 10, 11
 #: Pointers in PyNumberMethods, PySequenceMethods and PyMappingMethods.
 _TABLE_SIZES = {_AS_NUMBER: 36, _AS_SEQUENCE: 10, _AS_MAPPING: 3}
 
-#: Names that fill a mapping slot and a sequence slot at once: (sequence index, mapping index).
+#: Names that fill a sequence slot besides the slot they are meant for (a mapping or number slot):
+#: the index of that sequence slot. Left filled, it would make instances look like sequences to C code.
 TWIN_NAMES = {
-    "__getitem__": (3, 1),  # sq_item, mp_subscript
-    "__setitem__": (5, 2),  # sq_ass_item, mp_ass_subscript
-    "__delitem__": (5, 2),
-    "__len__": (0, 0),  # sq_length, mp_length
+    "__getitem__": 3,  # sq_item (besides mp_subscript)
+    "__setitem__": 5,  # sq_ass_item (besides mp_ass_subscript)
+    "__delitem__": 5,
+    "__len__": 0,  # sq_length (besides mp_length)
+    "__add__": 1,  # sq_concat (besides nb_add)
+    "__mul__": 2,  # sq_repeat (besides nb_multiply)
+    "__rmul__": 2,
+    "__iadd__": 8,  # sq_inplace_concat
+    "__imul__": 9,  # sq_inplace_repeat
 }
 
 _supported: Optional[str] = None  # "" when supported, else why not
@@ -138,8 +144,39 @@ def table_bytes(tp: type) -> bytes:
     return out
 
 
+#: The guard of each class some patcher has patched a dunder on (shared: one snapshot per class).
+_GUARDS: dict[type, "SlotGuard"] = {}
+
+
+def live_guards() -> list["SlotGuard"]:
+    """The guards of the classes patched now."""
+    return list(_GUARDS.values())
+
+
 class SlotGuard:
-    """The slot tables of one class and its subclasses, taken before a twin-slot name is patched on it."""
+    """The slot tables of one class and its subclasses, taken before the first dunder is patched on it.
+
+    One guard per class, shared by every patcher that patches it (:meth:`acquire`
+    / :meth:`release`): the snapshot is taken before the first patch and written
+    back after the last patcher's attributes are put back.
+    """
+
+    @classmethod
+    def acquire(cls, tp: type) -> "SlotGuard":
+        guard = _GUARDS.get(tp)
+        if guard is None:
+            guard = _GUARDS[tp] = cls(tp)
+        guard.users += 1
+        return guard
+
+    def release(self) -> None:
+        """A patcher put its attributes of the class back: the last one restores everything."""
+        self.users -= 1
+        if self.users > 0:
+            self.fix_twins()  # another patcher still patches the class: no sequence slot meanwhile
+            return
+        _GUARDS.pop(self.tp, None)
+        self.restore()
 
     def __init__(self, tp: type) -> None:
         if supported():
@@ -147,9 +184,8 @@ class SlotGuard:
         if not (tp.__flags__ & _HEAPTYPE):
             raise RuntimeError(f"{tp.__qualname__} is not a heap type")
         self.tp = tp
+        self.users = 0
         self.names: list[str] = []
-        #: A ``__init_subclass__`` hook gives new subclasses their slots (see :meth:`adopt`).
-        self.adopting = False
         self._saved: dict[type, dict[int, list[Optional[int]]]] = {}
         for cls in [tp] + _subclasses(tp):
             if cls.__flags__ & _HEAPTYPE:
@@ -161,18 +197,22 @@ class SlotGuard:
         """Right after ``setattr(tp, name, ...)``: put the sequence twin back (it stays a non-sequence)."""
         if name not in self.names:
             self.names.append(name)
-        twin = TWIN_NAMES.get(name)
-        if twin is None:
-            return
-        for cls in [self.tp] + _subclasses(self.tp):
-            if not cls.__flags__ & _HEAPTYPE:
-                continue
-            saved = self._saved.get(cls)
-            if saved is None:  # created while patched: as its base was, unless it defines the name itself
-                if _overrides(cls, self.tp, name):
+        if name in TWIN_NAMES:
+            self.fix_twins((name,))
+
+    def fix_twins(self, names: Any = None) -> None:
+        """The sequence slots of ``names`` (default: every twin name) back to the snapshot's values."""
+        for name in TWIN_NAMES if names is None else names:
+            index = TWIN_NAMES[name]
+            for cls in [self.tp] + _subclasses(self.tp):
+                if not cls.__flags__ & _HEAPTYPE:
                     continue
-                saved = self._saved[self.tp]
-            _slot(cls, _AS_SEQUENCE, twin[0]).value = saved[_AS_SEQUENCE][twin[0]]
+                saved = self._saved.get(cls)
+                if saved is None:  # created while patched: as its base was, unless it defines the name itself
+                    if _overrides(cls, self.tp, name):
+                        continue
+                    saved = self._saved[self.tp]
+                _slot(cls, _AS_SEQUENCE, index).value = saved[_AS_SEQUENCE][index]
 
     def adopt(self, cls: type) -> None:
         """``cls`` was just created as a subclass while patched: the twin slots its base had."""
@@ -180,9 +220,9 @@ class SlotGuard:
             return
         base = self._saved[self.tp]
         for name in self.names:
-            twin = TWIN_NAMES.get(name)
-            if twin is not None and not _overrides(cls, self.tp, name):
-                _slot(cls, _AS_SEQUENCE, twin[0]).value = base[_AS_SEQUENCE][twin[0]]
+            index = TWIN_NAMES.get(name)
+            if index is not None and not _overrides(cls, self.tp, name):
+                _slot(cls, _AS_SEQUENCE, index).value = base[_AS_SEQUENCE][index]
 
     def restore(self) -> None:
         """After the attribute is put back: every slot table as it was before the first patch."""
@@ -197,11 +237,7 @@ class SlotGuard:
                         if slot.value != value:
                             slot.value = value
             else:  # created while patched: the twin slots its base had, unless it defines the name itself
-                base = self._saved[self.tp]
-                for name in self.names:
-                    twin = TWIN_NAMES.get(name)
-                    if twin is not None and not _overrides(cls, self.tp, name):
-                        _slot(cls, _AS_SEQUENCE, twin[0]).value = base[_AS_SEQUENCE][twin[0]]
+                self.adopt(cls)
 
 
 def _overrides(cls: type, base: type, name: str) -> bool:

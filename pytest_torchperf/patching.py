@@ -17,13 +17,77 @@ from typing import Any, Callable, Optional
 
 from . import _slots
 
-__all__ = ["Patcher", "SlotPatchUnsupported"]
+__all__ = ["Patcher", "SlotPatchUnsupported", "lift_all", "relay_all"]
 
 
 class SlotPatchUnsupported(RuntimeError):
     """This interpreter does not let a twin-slot dunder (``__getitem__``...) be patched without side effects."""
 
 _MISSING = object()
+
+
+class _Layers:
+    """Every patch of one attribute, by every patcher, over the value it had before the first.
+
+    Patchers are undone in any order (a probe taken out mid-run, probes
+    installed lazily), so an attribute is never put back to "the value before
+    my patch": it is set to the top remaining layer, or, when none is left,
+    to what it was before any (deleted if it was inherited).
+    """
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner = owner
+        self.name = name
+        self.base = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+        #: ``(token, value)``, oldest first.
+        self.stack: list[tuple[object, Any]] = []
+
+    def show(self) -> None:
+        """Set the attribute to the top layer, or to its own value when there is none."""
+        owner, name = self.owner, self.name
+        if self.stack:
+            setattr(owner, name, self.stack[-1][1])
+        elif self.base is _MISSING:
+            if hasattr(owner, "__dict__") and name in vars(owner):
+                delattr(owner, name)
+        else:
+            setattr(owner, name, self.base)
+
+    def hide(self) -> None:
+        """Set the attribute to its own value for a moment (see :func:`lifted`)."""
+        top, self.stack = self.stack, []
+        try:
+            self.show()
+        finally:
+            self.stack = top
+
+
+#: (id(owner), name) -> its layers, while patched.
+_ATTRIBUTES: dict[tuple[int, str], _Layers] = {}
+
+
+def _layers(owner: Any, name: str) -> _Layers:
+    key = (id(owner), name)
+    layers = _ATTRIBUTES.get(key)
+    if layers is None or layers.owner is not owner:
+        layers = _ATTRIBUTES[key] = _Layers(owner, name)
+    return layers
+
+
+def lift_all() -> None:
+    """Every patched attribute (of every patcher) as it was unpatched, until :func:`relay_all`."""
+    for layers in list(_ATTRIBUTES.values()):
+        layers.hide()
+    for guard in list(_slots.live_guards()):
+        guard.restore()
+
+
+def relay_all() -> None:
+    """Every patched attribute set again to its top layer."""
+    for layers in list(_ATTRIBUTES.values()):
+        layers.show()
+    for guard in list(_slots.live_guards()):
+        guard.fix_twins()
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):
@@ -75,8 +139,8 @@ class Patcher:
         self._deferred: set[int] = set()
         self._import_hook: Optional[_PostImportHook] = None
         self._guards: dict[type, _slots.SlotGuard] = {}
-        #: ``(owner, name, original or _MISSING, patched value)`` of every setattr, for lift()/relay().
-        self._set: list[tuple[Any, str, Any, Any]] = []
+        #: Classes this patcher gave an ``__init_subclass__`` hook (see :meth:`_adopt_subclasses`).
+        self._adopting: set[type] = set()
 
     def setattr(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name = value``, remembering how to put the old state back.
@@ -85,22 +149,20 @@ class Patcher:
         ``__getitem__`` on a class when this interpreter's type slots cannot be kept.
         """
         guard = self._guard(owner, name)
-        own = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+        layers = _layers(owner, name)
+        token = object()
+        layers.stack.append((token, value))
         setattr(owner, name, value)
         if guard is not None:
             guard.patched(name)
-        self._set.append((owner, name, own, value))
-        if guard is not None and name in _slots.TWIN_NAMES and not guard.adopting:
+        if guard is not None and name in _slots.TWIN_NAMES and owner not in self._adopting:
             self._adopt_subclasses(owner, guard)
 
         def restore() -> None:
-            if own is _MISSING:
-                try:
-                    delattr(owner, name)
-                except AttributeError:
-                    pass
-            else:
-                setattr(owner, name, own)
+            layers.stack[:] = [layer for layer in layers.stack if layer[0] is not token]
+            layers.show()
+            if not layers.stack and _ATTRIBUTES.get((id(owner), name)) is layers:
+                del _ATTRIBUTES[(id(owner), name)]
 
         self._undo.append(restore)
 
@@ -119,18 +181,19 @@ class Patcher:
                     f"on {why or 'a static type'}"
                 )
             return None
-        guard = self._guards[owner] = _slots.SlotGuard(owner)
-        self._undo.append(guard.restore)  # runs after every patch of this class is undone
+        guard = self._guards[owner] = _slots.SlotGuard.acquire(owner)
+        self._undo.append(guard.release)  # runs after this patcher's patches of the class are undone
 
         def forget() -> None:
             self._guards.pop(owner, None)
+            self._adopting.discard(owner)
 
         self._undo.append(forget)
         return guard
 
     def _adopt_subclasses(self, owner: type, guard: _slots.SlotGuard) -> None:
         """Give a subclass of ``owner`` created while it is patched the slots it would have had."""
-        guard.adopting = True
+        self._adopting.add(owner)
         own = vars(owner).get("__init_subclass__")
 
         def __init_subclass__(cls: type, **kwargs: Any) -> None:
@@ -185,25 +248,6 @@ class Patcher:
             self._undo.append(remove)
         self._import_hook.pending.setdefault(module_name, []).append(callback)
 
-    def lift(self) -> None:
-        """Put every attribute this patcher set back for a moment (see :meth:`relay`)."""
-        for owner, name, own, _ in reversed(self._set):
-            if own is _MISSING:
-                if name in vars(owner):
-                    delattr(owner, name)
-            else:
-                setattr(owner, name, own)
-        for guard in self._guards.values():
-            guard.restore()
-
-    def relay(self) -> None:
-        """Set again what :meth:`lift` put back."""
-        for owner, name, _, value in self._set:
-            setattr(owner, name, value)
-            guard = self._guards.get(owner) if isinstance(owner, type) else None
-            if guard is not None:
-                guard.patched(name)
-
     def undo(self, keep_deferred: bool = False) -> list[BaseException]:
         """Undo everything, newest first; returns the errors of actions that failed (the rest still ran).
 
@@ -211,7 +255,6 @@ class Patcher:
         callbacks for a later ``undo()``.
         """
         errors: list[BaseException] = []
-        self._set.clear()
         kept: list[Callable[[], None]] = []
         while self._undo:
             action = self._undo.pop()

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from . import core, lightning, registry, stacks
 from .core import Run
 from .options import Options, parse_options
-from .patching import Patcher
+from .patching import Patcher, lift_all, relay_all
 from .probes import relocate_warnings
 from .report import settle
 
@@ -149,14 +149,11 @@ _TORCH_CACHES = (
 
 def _lifted(fn: Any) -> None:
     """Run ``fn`` with every probe's patches lifted (torch exactly as it is unwatched), then restore them."""
-    patchers = list(_installed.values())
-    for patcher in reversed(patchers):
-        patcher.lift()
+    lift_all()
     try:
         fn()
     finally:
-        for patcher in patchers:
-            patcher.relay()
+        relay_all()
 
 
 @contextlib.contextmanager

@@ -142,6 +142,8 @@ class HostRegistry:
         #: the operations of :mod:`._propagate` follow these only, so torch's own host tensors (an
         #: optimizer's step counters) cost them nothing.
         self.traced: dict[int, Any] = {}
+        #: Called once, when the first tensor is traced (the propagation wrappers are installed then).
+        self.when_traced: Optional[Any] = None
         #: id(tensor) -> weak reference: tensors a DataLoader produced (only where a real copy can happen).
         self.loader_tensors: dict[int, Any] = {}
         #: Function names some run's allow-list names: a birth inside one of them remembers it.
@@ -157,6 +159,7 @@ class HostRegistry:
         self.births.clear()
         self.host.clear()
         self.traced.clear()
+        self.when_traced = None
         self.loader_tensors.clear()
         self.functions.clear()
         self.moved_modules = weakref.WeakSet()
@@ -185,6 +188,9 @@ class HostRegistry:
         else:
             self.host[key] = ref
             if birth.site is not None:
+                if self.when_traced is not None:
+                    install, self.when_traced = self.when_traced, None
+                    install()
                 self.traced[key] = ref
             else:
                 self.traced.pop(key, None)

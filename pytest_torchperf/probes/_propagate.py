@@ -18,22 +18,28 @@ when every tensor they read is a host tensor (python numbers are fine):
 - ``torch.stack`` and ``torch.cat`` called by code outside torch (a
   DataLoader's collate is torch's, so batches never count).
 
-Each is a Python wrapper on a Tensor method or a ``torch`` function: one call
-and, while no host tensor built by code outside torch is alive, one dictionary
-check on top of the operation (torch's own host tensors, such as an
-optimizer's step counters, are not followed, so they cost nothing here);
-measured in ``benchmarks/bench_step_checks.py``.
+Each is a Python wrapper on a Tensor method or a ``torch`` function. The Tensor
+operations are installed only when the first host tensor built by code outside
+torch appears during the watch (torch's own host tensors, such as an
+optimizer's step counters, are not followed): a run whose code builds none pays
+nothing for them. Once installed, each costs a call and a dictionary check on
+top of the operation; measured in ``benchmarks/bench_step_checks.py``.
 Everything else (reductions, ``matmul``, ``torch.where(c, a, b)``, indexing
 with tensors, ``repeat``, ``flip``, operations of a subclass with its own
 ``__torch_function__``) is not followed: its result counts as a device tensor.
 
-The legacy constructors (``torch.Tensor(2, 3).fill_(v)``, ``torch.FloatTensor(x)``)
-are classes: patching them would change ``torch.Tensor`` itself. Instead,
-when a tensor of unknown provenance is moved inside a step, :class:`LegacySites`
-reads the statement at the move (once per line, then cached): a receiver
-chain that starts at ``torch.<Legacy>Tensor(...)``, in the same statement or
-assigned to the moved name earlier in the same function, is a host tensor
-built in the step.
+The legacy constructors (``torch.Tensor(2, 3).fill_(v)``, ``torch.FloatTensor(n)``)
+are classes: patching them would change ``torch.Tensor`` itself. They return
+uninitialised memory, so their tensors are found where that memory is first
+written: when a fresh tensor the registry does not know (never written, no
+autograd history) is filled in a step (:data:`INITIALIZERS`: ``fill_``,
+``zero_``, ``normal_``...), :class:`LegacySites` reads the statement there (once
+per line, then cached); a receiver chain that starts at ``torch.<Legacy>Tensor(...)``,
+in the same statement or assigned to that name earlier in the same function,
+makes it a host tensor built in the step. ``.cuda()`` and ``.type_as()`` of an
+unknown tensor read the source at the move the same way. A legacy constructor
+given data (``torch.LongTensor([1, 2]).to(dev)``) is not followed: finding it at
+``.to()`` would read the caller's frame on every move of every batch.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ if TYPE_CHECKING:
     from ..patching import Patcher
     from ._host import HostRegistry
 
-__all__ = ["BINARY", "FUNCTIONS", "METHODS", "UNARY", "LegacySites", "install"]
+__all__ = ["BINARY", "FUNCTIONS", "INITIALIZERS", "METHODS", "MOVES", "UNARY", "LegacySites", "install"]
 
 #: Tensor dunders of two operands (``t * 0.5``, ``mask == 1``, ``1 - t``).
 BINARY = (
@@ -156,20 +162,33 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
 
         return functools.wraps(original)(fn)
 
-    for name in BINARY:
-        patcher.wrap(tensor_type, name, lambda original, name=name: binary(name, original))
-    for name in UNARY:
-        patcher.wrap(tensor_type, name, lambda original, name=name: unary(name, original))
-    for name in METHODS:
-        patcher.wrap(tensor_type, name, lambda original, name=name: method(name, original))
+    def wrap_tensor_operations() -> None:
+        for name in BINARY:
+            patcher.wrap(tensor_type, name, lambda original, name=name: binary(name, original))
+        for name in UNARY:
+            patcher.wrap(tensor_type, name, lambda original, name=name: unary(name, original))
+        for name in METHODS:
+            patcher.wrap(tensor_type, name, lambda original, name=name: method(name, original))
+
+    # The ``torch`` functions now: in ``torch.triu(torch.ones(n, n))`` the function is looked up before
+    # its argument is built. Tensor operations only when the first host tensor built outside torch
+    # appears (``x * 2`` and ``x.masked_fill`` are looked up after ``x`` exists): until then there is
+    # nothing to follow, and tensor arithmetic everywhere (optimizers, losses) runs without a wrapper.
     for name in FUNCTIONS:
         if getattr(torch, name, None) is not None:
             patcher.wrap(torch, name, lambda original, name=name: function(name, original))
+    probe.when_traced = wrap_tensor_operations
 
 
 # -- the legacy constructors, read from the source -------------------------------------------
 
-_MOVES = frozenset(("to", "cuda", "type_as"))
+#: Moves whose source is read for a legacy constructor (``.to()`` is not: it is on every batch's path).
+MOVES = frozenset(("to", "cuda", "type_as"))
+#: In-place initialisers: the first write of a legacy constructor's uninitialised memory.
+INITIALIZERS = (
+    "fill_", "zero_", "normal_", "uniform_", "random_", "bernoulli_", "exponential_", "geometric_",
+    "log_normal_", "cauchy_",
+)
 
 
 def _legacy_call(node: ast.AST) -> Optional[tuple[str, tuple[str, ...]]]:
@@ -226,9 +245,11 @@ def _function_body(code: CodeType, lineno: int) -> Optional[tuple[ast.AST, int]]
 
 
 class LegacySites:
-    """Which lines move a tensor built by a legacy constructor (``torch.FloatTensor(...)``), read once per line."""
+    """Which lines call one of ``calls`` on a tensor a legacy constructor (``torch.FloatTensor(...)``) built,
+    read once per line."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: "frozenset[str] | tuple[str, ...]") -> None:
+        self.calls = frozenset(calls)
         #: id(code) -> (code, {line: (constructor, path, the line that built it) or None}). Keyed by the code's id
         #: (hashing a code object costs more than the whole lookup); the code is kept, so its id stays its own.
         self.cache: dict[int, tuple[CodeType, dict[int, Optional[tuple[str, tuple[str, ...], int]]]]] = {}
@@ -260,11 +281,12 @@ class LegacySites:
             return None
         names: list[str] = []
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MOVES:
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in self.calls:
                 receiver = node.func.value
                 found = _legacy_call(receiver)
                 if found is not None:
-                    return found[0], found[1], lineno
+                    filled = (node.func.attr,) if node.func.attr in INITIALIZERS else ()
+                    return found[0], found[1] + filled, lineno
                 if isinstance(receiver, ast.Name):
                     names.append(receiver.id)
         if not names:

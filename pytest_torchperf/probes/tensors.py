@@ -92,12 +92,15 @@ class TensorsProbe(HostRegistry, Probe):
     def __init__(self) -> None:
         Probe.__init__(self)
         HostRegistry.__init__(self)
-        self.legacy = _propagate.LegacySites()
+        #: Lines that move (``.cuda()``, ``.type_as()``) or fill a tensor a legacy constructor built.
+        self.legacy = _propagate.LegacySites(_propagate.MOVES)
+        self.legacy_fills = _propagate.LegacySites(_propagate.INITIALIZERS)
 
     def reset(self) -> None:
         Probe.reset(self)
         self.clear()
         self.legacy.clear()
+        self.legacy_fills.clear()
 
     def moved_module(self, module: Any) -> bool:
         """Whether ``module`` was moved to a device while watched (so its ``.cpu()`` copies)."""
@@ -105,6 +108,12 @@ class TensorsProbe(HostRegistry, Probe):
             return module in self.moved_modules
         except TypeError:  # pragma: no cover - an unhashable module
             return True
+
+    def legacy_filled(self, tensor: Any, frame: Optional[FrameType]) -> None:
+        """A fresh tensor was filled in a step: recorded as host-born when a legacy constructor built it."""
+        birth = _propagate.legacy_birth(self, self.legacy_fills, frame, tensor)
+        if birth is not None:
+            self.remember(tensor, birth)
 
     def _legacy_move(self, op: str, tensor: Any, target: Any, out: Any, frame: Optional[FrameType]) -> bool:
         """A move in a step of a tensor the registry does not know: built by a legacy constructor? (told if so)"""
@@ -168,8 +177,6 @@ class TensorsProbe(HostRegistry, Probe):
 
         # A real host-to-device copy can only happen where an accelerator is present.
         accelerated = accelerator_available()
-        legacy_at = self.legacy.at
-        legacy_seen = self.legacy.cache
 
         def after_to(self: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], frame: Optional[FrameType]) -> None:
             target = probe.target_of_to(args, kwargs)
@@ -180,12 +187,8 @@ class TensorsProbe(HostRegistry, Probe):
                 if target is None:
                     if out is not self and accelerated and probe.loader_tensors and probe.from_loader(self):
                         probe.remember_loader(out)
-                elif flags.in_scope:
-                    legacy = birth is None and not probe.from_loader(self) and probe._legacy_move(
-                        "to", self, target, out, frame
-                    )
-                    if accelerated and not legacy:
-                        probe.on_move("to", self, target, out, frame)
+                elif flags.in_scope and accelerated:
+                    probe.on_move("to", self, target, out, frame)
                 return
             if target is None:
                 if out is not self and not birth.moved:
@@ -203,19 +206,10 @@ class TensorsProbe(HostRegistry, Probe):
                 out = original(self, *args, **kwargs)
                 if not is_compiling() and flags.active:
                     if not accelerated and births_get(id(self)) is None:
-                        # Fast path: not a host-born tensor (a batch, a parameter), unless a view of one,
-                        # or a legacy-constructed tensor moved in a step (one cached look at the line).
+                        # Fast path: not a host-born tensor (a batch, a parameter), unless a view of one.
                         base = self._base
                         if base is None or births_get(id(base)) is None:
-                            if not flags.in_scope:
-                                return out
-                            frame = getframe(1)
-                            code = frame.f_code
-                            lines = legacy_seen.get(id(code))
-                            if lines is not None and lines[0] is code and lines[1].get(frame.f_lineno, frame) is None:
-                                return out  # a line read before: no legacy constructor there
-                            if legacy_at(frame) is None:
-                                return out
+                            return out
                     try:
                         after_to(self, out, args, kwargs, getframe(1))
                     except Exception as exc:  # noqa: BLE001
@@ -326,6 +320,31 @@ class TensorsProbe(HostRegistry, Probe):
                 return functools.wraps(original)(__next__)
 
             patcher.wrap(dataloader._BaseDataLoaderIter, "__next__", wrap_next)
+
+        def wrap_initializer(original: Callable[..., Any]) -> Callable[..., Any]:
+            def initialize(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if type(self) is not tensor_type and dispatch.overrides(self):
+                    return dispatch.call(original, self, args, kwargs)
+                # A fresh tensor (never written), not one the registry knows, filled in a step: maybe the
+                # uninitialised memory of a legacy constructor (``torch.Tensor(n).fill_(v)``).
+                fresh = (
+                    not is_compiling() and flags.in_scope and self._version == 0
+                    and births_get(id(self)) is None and not self.requires_grad
+                )
+                out = original(self, *args, **kwargs)
+                if fresh:
+                    try:
+                        probe.legacy_filled(self, getframe(1))
+                    except Exception as exc:  # noqa: BLE001
+                        probe.failed(exc)
+                return out
+
+            return functools.wraps(original)(initialize)
+
+        for name in _propagate.INITIALIZERS:
+            if hasattr(tensor_type, name):
+                patcher.wrap(tensor_type, name, wrap_initializer)
 
         def wrap_register_buffer(original: Callable[..., Any]) -> Callable[..., Any]:
             def register_buffer(self: Any, name: str, tensor: Any, *args: Any, **kwargs: Any) -> Any:

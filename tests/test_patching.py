@@ -1,0 +1,72 @@
+"""Reversible patches: any undo order puts every attribute and every type slot back exactly."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from pytest_torchperf import _slots
+from pytest_torchperf.patching import Patcher, lift_all, relay_all
+
+
+def test_two_patchers_on_one_attribute_undone_in_either_order() -> None:
+    module = types.SimpleNamespace(f="original")
+    first, second = Patcher(), Patcher()
+    first.setattr(module, "f", "first")
+    second.setattr(module, "f", "second")
+    first.undo()  # out of order: the second patch stays on top
+    assert module.f == "second"
+    second.undo()
+    assert module.f == "original"
+
+
+def test_an_inherited_attribute_is_deleted_again_whatever_the_order() -> None:
+    class Base:
+        def hook(self) -> str:
+            return "base"
+
+    class Child(Base):
+        pass
+
+    first, second = Patcher(), Patcher()
+    first.wrap(Child, "hook", lambda original: lambda self: "first:" + original(self))
+    second.wrap(Child, "hook", lambda original: lambda self: "second:" + original(self))
+    assert Child().hook() == "second:first:base"
+    first.undo()
+    second.undo()
+    assert "hook" not in vars(Child) and Child().hook() == "base"
+
+
+def test_dunders_patched_by_two_patchers_leave_tensor_classes_as_they_were() -> None:
+    class Sub(torch.Tensor):
+        pass
+
+    classes = (torch.Tensor, torch.nn.Parameter, Sub)
+    tables = {cls: _slots.table_bytes(cls) for cls in classes}
+    dicts = {cls: dict(vars(cls)) for cls in classes}
+    getitem, add = torch.Tensor.__getitem__, torch.Tensor.__add__
+    first, second = Patcher(), Patcher()
+    first.wrap(torch.Tensor, "__getitem__", lambda original: lambda self, i: original(self, i))
+    second.wrap(torch.Tensor, "__add__", lambda original: lambda self, o: original(self, o))  # later, lazily
+    assert torch.tensor([torch.tensor(1.0), torch.tensor(2.0)]).tolist() == [1.0, 2.0]  # never a sequence
+    first.undo()
+    assert torch.tensor([torch.tensor(1.0), torch.tensor(2.0)]).tolist() == [1.0, 2.0]
+    second.undo()
+    assert {cls: _slots.table_bytes(cls) for cls in classes} == tables
+    assert {cls: dict(vars(cls)) for cls in classes} == dicts
+    assert torch.Tensor.__getitem__ is getitem and torch.Tensor.__add__ is add
+
+
+def test_lifted_patches_come_back() -> None:
+    module = types.SimpleNamespace(f="original")
+    patcher = Patcher()
+    patcher.setattr(module, "f", "patched")
+    patcher.wrap(torch.Tensor, "__getitem__", lambda original: lambda self, i: original(self, i))
+    lift_all()
+    assert module.f == "original" and "__getitem__" not in vars(torch.Tensor)
+    relay_all()
+    assert module.f == "patched" and "__getitem__" in vars(torch.Tensor)
+    assert torch.tensor([torch.tensor(1.0)]).tolist() == [1.0]
+    patcher.undo()
+    assert module.f == "original" and "__getitem__" not in vars(torch.Tensor)
