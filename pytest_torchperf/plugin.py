@@ -25,7 +25,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import results, stacks
+from . import ranks, results, stacks
 from .arguments import UsageError, suggest
 from .options import OVERHEAD_ROUNDS, SCOPES, Options, describe_options, parse_options
 from .report import FAILED, NOT_CHECKED, InvariantViolation, Report
@@ -219,9 +219,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def _verdict(config: pytest.Config, run: Run) -> None:
-    """Fail the test on a broken invariant, unless the session only reports."""
+    """Fail the test on a broken invariant, unless the session only reports (or is a rank: its launcher judges)."""
     assert run.report is not None
-    if not run.report.passed and not config.stash[_SETTINGS].report_only:
+    if not run.report.passed and not config.stash[_SETTINGS].report_only and not ranks.in_rank_process():
         raise InvariantViolation(run.report)
 
 
@@ -318,8 +318,8 @@ class _Recorder:
         return getattr(self.config, "workerinput", None) is not None
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self._is_worker or not self.settings.json_path:
-            return
+        if self._is_worker or not self.settings.json_path or ranks.in_rank_process():
+            return  # a rank process re-running the session (Lightning's ddp) leaves the JSON to its launcher
         env: dict[str, Any] = results.environment(results.device_info())
         env["xdist_workers"] = getattr(self.config.option, "numprocesses", None) or 0
         env["report_only"] = self.settings.report_only
@@ -330,7 +330,8 @@ class _Recorder:
             return
         tr = terminalreporter
         verbose = (self.config.getoption("verbose", 0) or 0) > 0
-        tr.write_sep("=", "torchperf summary")
+        rank = os.environ.get("LOCAL_RANK", "?") if ranks.in_rank_process() else None
+        tr.write_sep("=", "torchperf summary" if rank is None else f"torchperf summary of rank process {rank} (reported to its launcher, which judges)")
         broken: dict[str, int] = {}
         for test in self.tests:
             failed = [name for name, c in test["checks"].items() if c["status"] == FAILED]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from . import core, lightning, registry, stacks
 from .core import Run
@@ -23,7 +23,7 @@ from .patching import Patcher
 from .probes import relocate_warnings
 from .report import InvariantViolation
 
-__all__ = ["Run", "start", "stop", "watch", "watching"]
+__all__ = ["EXTENSIONS", "Run", "finish", "start", "stop", "watch", "watching"]
 
 #: Installed probes by name, in install order, each with its own patcher.
 _installed: dict[str, Patcher] = {}
@@ -31,6 +31,11 @@ _installed: dict[str, Patcher] = {}
 _needs: dict[str, tuple[str, ...]] = {}
 #: The patcher of the Lightning observer and of the torch caches kept out of the probes' way.
 _base: list[Patcher] = []
+
+#: Objects told about every run (multi-process support, :mod:`pytest_torchperf.ranks`, registers one):
+#: ``install(patcher)`` with the base patches, ``finished(run, exc)`` once its report is made (it may
+#: replace ``run.report``), ``judges(run) -> bool`` (False: another process judges it, ``watch()`` won't raise).
+EXTENSIONS: list[Any] = []
 
 
 def start(run: Run) -> None:
@@ -43,6 +48,8 @@ def start(run: Run) -> None:
             _keep_torch_caches(base)
             relocate_warnings(base)
             lightning.install(base)
+            for extension in EXTENSIONS:
+                extension.install(base)
         except BaseException:
             _base.clear()
             base.undo()
@@ -145,6 +152,13 @@ def _lifted(fn: Any) -> None:
             patcher.relay()
 
 
+def finish(run: Run, exc: Optional[BaseException] = None) -> None:
+    """Evaluate a stopped run into ``run.report`` (``exc``: what ended its block, if it raised)."""
+    run.finish()
+    for extension in EXTENSIONS:
+        extension.finished(run, exc)
+
+
 @contextlib.contextmanager
 def watching(options: Options) -> Iterator[Run]:
     """Run the block under watch and evaluate it; never raises a verdict itself."""
@@ -152,15 +166,15 @@ def watching(options: Options) -> Iterator[Run]:
     start(run)
     try:
         yield run
-    except BaseException:
+    except BaseException as exc:
         # The block's own exception is what the user must see: stop watching,
         # keep what can be concluded, and let it propagate.
         stop(run)
         with contextlib.suppress(Exception):
-            run.finish()
+            finish(run, exc)
         raise
     stop(run)
-    run.finish()
+    finish(run)
 
 
 @contextlib.contextmanager
@@ -175,7 +189,7 @@ def watch(**kwargs: Any) -> Iterator[Run]:
     options = parse_options(kwargs, where="torchperf.watch()")
     with watching(options) as run:
         yield run
-    if not run.report.passed:  # type: ignore[union-attr]
+    if not run.report.passed and all(e.judges(run) for e in EXTENSIONS):  # type: ignore[union-attr]
         raise InvariantViolation(run.report)  # type: ignore[arg-type]
 
 
