@@ -72,6 +72,8 @@ BUILTIN = (
     "grads_set_to_none",
     "no_recompiles",
     "mixed_precision",
+    "no_unused_parameters_search",
+    "no_sync_accumulation",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.

@@ -1,0 +1,112 @@
+"""Probe ``ddp``: ``DistributedDataParallel`` modules built, and every forward pass they make.
+
+Two class patches, undone with the probe:
+
+- ``DistributedDataParallel.__init__``: remembers where each instance was built
+  (the user's line, or the Lightning strategy that wrapped the model);
+- ``DistributedDataParallel.forward``: sends ``on_ddp_forward(module)`` to the
+  checks of the active runs *before* the forward runs. At that moment the
+  module's own flags say what its backward will do: with
+  ``torch.is_grad_enabled()`` and ``module.require_backward_grad_sync`` (False
+  inside ``no_sync()``), DDP arms its reducer, and the next backward
+  all-reduces every gradient bucket. DDP refuses a second armed forward before
+  that backward ("Expected to have finished reduction in the prior
+  iteration"), so armed forwards count all-reduce rounds exactly. And the
+  reducer still holds the previous backward's map of which parameters got a
+  gradient on how many ranks (``reducer._get_local_used_map()``, summed over
+  the ranks), which ``no_unused_parameters_search`` folds on the device.
+
+What it costs: one Python call per DDP forward (a few microseconds); nothing
+per parameter. What it misses: a DDP compiled whole by ``torch.compile`` (the
+wrapper calls straight through while dynamo traces), a DDP whose ``forward``
+is bypassed (``module.module(x)`` skips DDP, and DDP then syncs nothing).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import core
+from ..core import FLAGS
+from ..stacks import Stack, capture
+from . import Probe, is_compiling_function
+from .loaders import until_user_frame
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+
+__all__ = ["DDPProbe", "PROBE", "reducer_parameter_names"]
+
+
+def reducer_parameter_names(ddp: Any) -> list[str]:
+    """The names of ``ddp``'s parameters in its reducer's order (how DDP builds that list)."""
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    names: list[str] = []
+    seen: set[int] = set()
+    for module_name, module in ddp.module.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if param.requires_grad and full not in ignored and id(param) not in seen:
+                seen.add(id(param))
+                names.append(full)
+    return names
+
+
+class DDPProbe(Probe):
+    name = "ddp"
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: DDP instance -> the stack where it was built (while a run watched).
+        self.created: "weakref.WeakKeyDictionary[Any, Stack]" = weakref.WeakKeyDictionary()
+
+    def reset(self) -> None:
+        super().reset()
+        self.created.clear()
+
+    def install(self, patcher: "Patcher") -> None:
+        import torch
+
+        self.reset()
+        patcher.callback(self.reset)
+        distributed = getattr(torch, "distributed", None)
+        if distributed is None or not distributed.is_available():
+            self.unavailable["ddp"] = "this torch is built without torch.distributed"
+            return
+        from torch.nn.parallel import DistributedDataParallel
+
+        flags = FLAGS
+        probe = self
+        is_compiling = is_compiling_function()
+        notify = core.notify
+
+        def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                __tracebackhide__ = True
+                original(self, *args, **kwargs)
+                if flags.active:
+                    try:
+                        probe.created[self] = until_user_frame(capture(2))
+                    except Exception as exc:  # noqa: BLE001 - never into the user's code
+                        probe.failed(exc)
+
+            return __init__
+
+        def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if flags.active and not is_compiling():
+                    notify("on_ddp_forward", self)
+                return original(self, *args, **kwargs)
+
+            return forward
+
+        patcher.wrap(DistributedDataParallel, "__init__", wrap_init)
+        patcher.wrap(DistributedDataParallel, "forward", wrap_forward)
+
+
+PROBE = DDPProbe()
