@@ -348,6 +348,16 @@ class _Recorder:
                     else:
                         parts.append(f"{name}: {check['status']} ({check['summary']})")
                 tr.write_line(f"        {run['source']}: " + " | ".join(parts))
+                for process in run.get("ranks", ()):  # a rank that raised or sent nothing says so here
+                    error, missing = process.get("error"), process.get("missing")
+                    if error:
+                        where = f" at {error['where']}" if error.get("where") else ""
+                        tr.write_line(
+                            f"        {process['process']} (pid {process['pid']}) raised {error['type']}: "
+                            f"{error['message']}{where}", red=True,
+                        )
+                    elif missing:
+                        tr.write_line(f"        {process['process']}: {missing}", red=True)
         watched = len(self.tests)
         line = f"torchperf: {watched} watched test{'s' if watched != 1 else ''}"
         if broken:

@@ -9,11 +9,13 @@ does this for you with ``accumulate_grad_batches`` in automatic optimization;
 a manual loop, manual optimization or Fabric must do it.
 
 Seen through the probe :mod:`pytest_torchperf.probes.ddp`: every DDP forward
-pass with gradients enabled is a micro-batch; one with
-``require_backward_grad_sync`` set (not inside ``no_sync()``) arms an all-reduce
-round for its backward. The rounds between two optimizer steps (the
-``optimizers`` probe) are what the step paid for. Works on CPU with gloo
-exactly as on GPUs with NCCL: it reads DDP's own decision, not the network.
+pass with gradients enabled is a micro-batch; every call of the reducer's
+``prepare_for_backward`` arms one all-reduce round for the next backward (DDP
+makes it after a forward outside ``no_sync()``; Lightning makes it before a
+manual-optimization backward unless ``toggle_model(sync_grad=False)``). The
+rounds between two optimizer steps (the ``optimizers`` probe) are what the step
+paid for. Works on CPU with gloo exactly as on GPUs with NCCL: it counts DDP's
+own decisions, not network traffic (checked against a counting comm hook).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class SyncAccumulationCheck(Check):
         self.grad_bytes = 0
         self.first_extra: Optional[Stack] = None
         self._sizes: dict[int, int] = {}
+        #: id(reducer) -> its DDP module (kept until the verdict, so ids cannot be reused meanwhile).
+        self._owners: dict[int, Any] = {}
         self._torch: Any = None
 
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
@@ -67,18 +71,20 @@ class SyncAccumulationCheck(Check):
 
             self._torch = torch
         self.forwards += 1
-        if not torch.is_grad_enabled():
-            return
-        self.micro_batches += 1
-        if not module.require_backward_grad_sync:
-            return
+        self._owners[id(getattr(module, "reducer", None))] = module
+        if torch.is_grad_enabled():
+            self.micro_batches += 1
+
+    def on_ddp_armed(self, reducer: Any) -> None:
         self.rounds += 1
-        size = self._sizes.get(id(module))
-        if size is None:
-            size = self._sizes[id(module)] = sum(
-                p.numel() * p.element_size() for p in module.module.parameters() if p.requires_grad
-            )
-        self.grad_bytes = max(self.grad_bytes, size)
+        module = self._owners.get(id(reducer))
+        if module is not None:
+            size = self._sizes.get(id(module))
+            if size is None:
+                size = self._sizes[id(module)] = sum(
+                    p.numel() * p.element_size() for p in module.module.parameters() if p.requires_grad
+                )
+            self.grad_bytes = max(self.grad_bytes, size)
         if self.rounds == 2 and self.first_extra is None:
             self.first_extra = until_user_frame(capture(3))
 

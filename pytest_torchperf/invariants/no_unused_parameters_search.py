@@ -8,11 +8,12 @@ that walk is pure overhead, every step (DDP only warns once, after the first
 iteration). The invariant fails then, and when some parameters were unused it
 passes and names them.
 
-Seen through the probe :mod:`pytest_torchperf.probes.ddp`: before each forward
-of a searching DDP, the reducer's map of the previous backward (how many ranks
-gave each parameter a gradient; ``reducer._get_local_used_map()``) is folded
-into a running minimum with one device op, and read once when the run ends,
-so the check adds no host-device synchronisation. A parameter used on every
+Seen through the probe :mod:`pytest_torchperf.probes.ddp`: when a searching
+DDP arms its next all-reduce (and after each optimizer step), the reducer's
+map of the previous backward (how many ranks gave each parameter a gradient;
+``reducer._get_local_used_map()``) is folded into a running minimum with one
+device op, and read once when the run ends, so the check adds no host-device
+synchronisation. A parameter used on every
 rank in every synchronised iteration has a minimum equal to the world size.
 A DDP with ``static_graph=True`` does not search each step and passes.
 """
@@ -26,9 +27,10 @@ from .. import core
 from ..arguments import Flag
 from ..core import Check
 from ..probes.ddp import PROBE, reducer_parameter_names
+from ..probes.loaders import until_user_frame
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
-from ..stacks import Stack
+from ..stacks import Stack, capture
 from ..text import plural
 from ._ddp import Context
 
@@ -45,6 +47,7 @@ class _Module:
         self.ref = weakref.ref(ddp)
         self.searching = bool(getattr(ddp, "find_unused_parameters", False)) and not bool(getattr(ddp, "static_graph", False))
         self.created: Optional[Stack] = PROBE.created.get(ddp)
+        self.first_forward: Optional[Stack] = None
         self.description = f"DistributedDataParallel({type(ddp.module).__name__})"
         self.names = reducer_parameter_names(ddp) if self.searching else []
         self.world = 1
@@ -71,6 +74,8 @@ class UnusedParametersCheck(Check):
         super().__init__(run)
         self.context = Context()
         self._modules: dict[int, _Module] = {}
+        #: id(reducer) -> the record of its DDP module.
+        self._by_reducer: dict[int, _Module] = {}
         self._torch: Any = None
 
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
@@ -80,42 +85,46 @@ class UnusedParametersCheck(Check):
         rec = self._modules.get(id(ddp))
         if rec is None or rec.ref() is not ddp:
             rec = self._modules[id(ddp)] = _Module(ddp)
+            if rec.searching and rec.created is None:  # built before the run: show where it runs
+                rec.first_forward = until_user_frame(capture(3))
+        self._by_reducer[id(getattr(ddp, "reducer", None))] = rec
         rec.forwards += 1
-        if not rec.searching:
-            return
-        if rec.armed:
-            self._fold(ddp, rec)
-        torch = self._torch
-        if torch is None:
-            import torch
 
-            self._torch = torch
-        rec.armed = bool(torch.is_grad_enabled() and ddp.require_backward_grad_sync)
+    def on_ddp_armed(self, reducer: Any) -> None:
+        rec = self._by_reducer.get(id(reducer))
+        if rec is None or not rec.searching:
+            return
+        if rec.armed:  # the reducer still holds the previous backward's map
+            self._fold(reducer, rec)
+        rec.armed = True
 
     def on_optimizer_step(self, optimizer: Any) -> None:
-        # The armed backward is done by now; fold it while the DDP module is surely alive.
+        # The armed backward is done by now: fold it while the DDP module is surely alive.
         for rec in self._modules.values():
             ddp = rec.ref() if rec.armed else None
             if ddp is not None:
-                self._fold(ddp, rec)
+                self._fold(ddp.reducer, rec)
 
-    def _fold(self, ddp: Any, rec: _Module) -> None:
-        get = getattr(getattr(ddp, "reducer", None), "_get_local_used_map", None)
+    def _fold(self, reducer: Any, rec: _Module) -> None:
+        rec.armed = False
+        get = getattr(reducer, "_get_local_used_map", None)
         if get is None:
             rec.unavailable = "this torch's DDP reducer does not expose its used-parameter map"
-            rec.armed = False
             return
         used = get()
+        if self._torch is None:
+            import torch
+
+            self._torch = torch
         rec.least = used.clone() if rec.least is None else self._torch.minimum(rec.least, used)
         rec.iterations += 1
-        rec.armed = False
 
     def on_run_end(self) -> None:
         with core.suspended():  # torchperf's own reads: no probe records them
             for rec in self._modules.values():
                 ddp = rec.ref()
                 if ddp is not None and rec.armed:
-                    self._fold(ddp, rec)
+                    self._fold(ddp.reducer, rec)
                 if rec.least is not None:
                     rec.counts = [int(v) for v in rec.least.cpu().tolist()]
                     rec.least = None
@@ -150,7 +159,12 @@ class UnusedParametersCheck(Check):
                 "world_size": rec.world,
                 "unused_parameters": [n for n, _ in unused],
             })
-            sites = [Site("DDP built with find_unused_parameters=True", rec.created)] if rec.created else []
+            if rec.created is not None:
+                sites = [Site("DDP built with find_unused_parameters=True", rec.created)]
+            elif rec.first_forward is not None:
+                sites = [Site("first forward of the DDP built with find_unused_parameters=True", rec.first_forward)]
+            else:
+                sites = []
             if not unused:
                 failing.append(Finding(
                     f"{rec.description} searched for unused parameters after each of {plural(rec.iterations, 'iteration')}, "

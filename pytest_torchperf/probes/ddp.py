@@ -1,25 +1,25 @@
-"""Probe ``ddp``: ``DistributedDataParallel`` modules built, and every forward pass they make.
+"""Probe ``ddp``: ``DistributedDataParallel`` modules built, their forward passes, and each all-reduce they arm.
 
-Two class patches, undone with the probe:
+Three class patches, undone with the probe:
 
 - ``DistributedDataParallel.__init__``: remembers where each instance was built
   (the user's line, or the Lightning strategy that wrapped the model);
-- ``DistributedDataParallel.forward``: sends ``on_ddp_forward(module)`` to the
-  checks of the active runs *before* the forward runs. At that moment the
-  module's own flags say what its backward will do: with
-  ``torch.is_grad_enabled()`` and ``module.require_backward_grad_sync`` (False
-  inside ``no_sync()``), DDP arms its reducer, and the next backward
-  all-reduces every gradient bucket. DDP refuses a second armed forward before
-  that backward ("Expected to have finished reduction in the prior
-  iteration"), so armed forwards count all-reduce rounds exactly. And the
+- ``DistributedDataParallel.forward``: sends ``on_ddp_forward(module)`` before
+  the forward runs (a forward with gradients enabled is a micro-batch);
+- the reducer's ``prepare_for_backward`` (``torch._C._distributed_c10d.Reducer``):
+  sends ``on_ddp_armed(reducer)`` before it runs. This call is what makes the
+  next backward all-reduce every gradient bucket: DDP makes it at the end of
+  a forward with ``require_backward_grad_sync`` set (not inside ``no_sync()``),
+  Lightning makes it itself before a manual-optimization backward. So the
+  calls count all-reduce rounds exactly, whoever decides. Before it runs, the
   reducer still holds the previous backward's map of which parameters got a
-  gradient on how many ranks (``reducer._get_local_used_map()``, summed over
-  the ranks), which ``no_unused_parameters_search`` folds on the device.
+  gradient, on how many ranks (``reducer._get_local_used_map()``), which
+  ``no_unused_parameters_search`` folds on the device.
 
-What it costs: one Python call per DDP forward (a few microseconds); nothing
-per parameter. What it misses: a DDP compiled whole by ``torch.compile`` (the
-wrapper calls straight through while dynamo traces), a DDP whose ``forward``
-is bypassed (``module.module(x)`` skips DDP, and DDP then syncs nothing).
+What it costs: one Python call per DDP forward and one per armed backward (a
+few microseconds each); nothing per parameter. What it misses: a DDP compiled
+whole by ``torch.compile`` (the wrappers call straight through while dynamo
+traces), a forward that bypasses DDP (``model.module(x)``: DDP then syncs nothing).
 """
 
 from __future__ import annotations
@@ -105,8 +105,23 @@ class DDPProbe(Probe):
 
             return forward
 
+        def wrap_prepare(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def prepare_for_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if flags.active and not is_compiling():
+                    notify("on_ddp_armed", self)
+                return original(self, *args, **kwargs)
+
+            return prepare_for_backward
+
         patcher.wrap(DistributedDataParallel, "__init__", wrap_init)
         patcher.wrap(DistributedDataParallel, "forward", wrap_forward)
+        reducer = getattr(getattr(torch._C, "_distributed_c10d", None), "Reducer", None)
+        if reducer is not None and callable(vars(reducer).get("prepare_for_backward")):
+            patcher.wrap(reducer, "prepare_for_backward", wrap_prepare)
+        else:  # pragma: no cover - a torch whose reducer hides it
+            self.unavailable["armed"] = "this torch's DDP reducer cannot be observed"
 
 
 PROBE = DDPProbe()

@@ -135,15 +135,16 @@ def _findings(items: list[tuple[Part, CheckResult]]) -> list[Finding]:
 
 def merge_check(name: str, parts: list[Part]) -> CheckResult:
     """One verdict on invariant ``name`` over ``parts`` (see the module's docstring)."""
-    results = [(part, _result(part, name)) for part in parts]
-    ranked = [(p, c) for p, c in results if p.rank is not None]
+    every = [(part, _result(part, name)) for part in parts]
+    per_process = {
+        part.key: {"status": check.status, "summary": check.summary, **check.figures} for part, check in every
+    }
+    ranked = [(p, c) for p, c in every if p.rank is not None]
+    results = every
     if ranked:  # the main process counts only for what it did check itself
-        results = ranked + [(p, c) for p, c in results if p.rank is None and c.status != NOT_CHECKED]
+        results = ranked + [(p, c) for p, c in every if p.rank is None and c.status != NOT_CHECKED]
     failed = [(p, c) for p, c in results if c.status == FAILED]
     unchecked = [(p, c) for p, c in ranked if c.status == NOT_CHECKED]
-    per_process = {
-        part.key: {"status": check.status, "summary": check.summary, **check.figures} for part, check in results
-    }
     if failed:
         status, deciding = FAILED, failed
         summary = _grouped_summary(failed)
