@@ -180,16 +180,16 @@ def fabric_loop(fabric, sync):
             opt.step()
             opt.zero_grad()
             if sync:
-                loss.item()  # SYNC
+                loss.item()  # SYNC in fabric_loop
 
 
 def fabric(strategy):
     return Fabric(accelerator="cpu", devices=2, strategy=strategy)
 '''
 
-TEST_SPAWN = '''
+TEST_DDP_SPAWN = '''
 import pytest
-from rank_models import Buggy, Clean, fabric, fabric_loop, loader, trainer
+from rank_models import Buggy, Clean, loader, trainer
 
 DDP_CHECKS = dict(no_sync_accumulation=True, no_unused_parameters_search=True)
 
@@ -202,6 +202,11 @@ def test_ddp_spawn_clean():
 @pytest.mark.torchperf(**DDP_CHECKS)
 def test_ddp_spawn_buggy():
     trainer("ddp_spawn_find_unused_parameters_true").fit(Buggy(), loader())
+'''
+
+TEST_FABRIC_SPAWN = '''
+import pytest
+from rank_models import fabric, fabric_loop
 
 
 @pytest.mark.torchperf
@@ -268,10 +273,16 @@ def processes(test: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["process"]: r for r in test["runs"][0]["ranks"]}
 
 
-def test_mp_spawn_and_torchrun_ranks_under_xdist(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytester.makepyfile(plain_ranks=PLAIN, train_script=SCRIPT, test_plain=TEST_PLAIN)
+def test_mp_spawn_torchrun_and_lightning_ddp_spawn_ranks_under_xdist(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two workers each run DDP groups at the same time: file stores for mp.spawn, torchrun's standalone
+    # rendezvous on a port the OS picks, Lightning's MASTER_PORT found free by each worker's launcher.
+    pytester.makepyfile(
+        plain_ranks=PLAIN, train_script=SCRIPT, test_plain=TEST_PLAIN, rank_models=MODELS, test_ddp_spawn=TEST_DDP_SPAWN
+    )
     result, tests = run_suite(pytester, monkeypatch, "-n", "2")
-    result.assert_outcomes(passed=2, failed=2)
+    result.assert_outcomes(passed=3, failed=3)
     plain_line = line_of(pytester.path / "plain_ranks.py")
     script_line = line_of(pytester.path / "train_script.py")
     result.stdout.fnmatch_lines([
@@ -300,15 +311,6 @@ def test_mp_spawn_and_torchrun_ranks_under_xdist(pytester: pytest.Pytester, monk
     assert props["test_mp_spawn[buggy]"]["torchperf.no_host_sync.rank1.status"] == "failed"
     assert props["test_mp_spawn[clean]"]["torchperf.no_host_sync.main.status"] == "not checked"
 
-
-def test_lightning_and_fabric_ddp_spawn_ranks_and_a_rank_that_raises(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The forking test runs first, in a process that has not started any torch.distributed store (a forked
-    # child that inherits one can hang in its destructor: torch's hazard, with or without torchperf).
-    pytester.makepyfile(plain_ranks=PLAIN, test_fork=TEST_FORK, rank_models=MODELS, test_spawn=TEST_SPAWN)
-    result, tests = run_suite(pytester, monkeypatch)
-    result.assert_outcomes(passed=3, failed=2)
     line = line_of(pytester.path / "rank_models.py")
     result.stdout.fnmatch_lines([
         "*torchperf: 2 invariants broken: no_host_sync (rank 0, 1: 4 syncs at rank_models.py:"
@@ -319,16 +321,27 @@ def test_lightning_and_fabric_ddp_spawn_ranks_and_a_rank_that_raises(
         "of 4 iterations, and all 2 parameters got a gradient on every rank every time",
         "*hint: use Trainer(strategy=\"ddp_spawn\") instead of \"ddp_spawn_find_unused_parameters_true\"*",
     ], consecutive=False)
-    clean = tests["test_ddp_spawn_clean"]["checks"]
-    assert clean["no_host_sync"]["summary"] == "rank 0, 1: no sync in your code over 4 steps"
+    spawned = tests["test_ddp_spawn_clean"]["checks"]
+    assert spawned["no_host_sync"]["summary"] == "rank 0, 1: no sync in your code over 4 steps"
     # Lightning's accumulate_grad_batches runs the first micro-batch under no_sync: one all-reduce per step.
-    assert clean["no_sync_accumulation"]["summary"] == (
+    assert spawned["no_sync_accumulation"]["summary"] == (
         "rank 0, 1: at most 1 all-reduce per optimizer step over 2 steps (2 micro-batches each)"
     )
-    assert clean["no_unused_parameters_search"]["status"] == "passed"
+    assert spawned["no_unused_parameters_search"]["status"] == "passed"
+
+
+def test_fabric_ddp_spawn_ranks_and_a_rank_that_raises(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The forking test runs first, in a process that has not started any torch.distributed store (a forked
+    # child that inherits one can hang in its destructor: torch's hazard, with or without torchperf).
+    pytester.makepyfile(plain_ranks=PLAIN, test_fork=TEST_FORK, rank_models=MODELS, test_spawn=TEST_FABRIC_SPAWN)
+    result, tests = run_suite(pytester, monkeypatch)
+    result.assert_outcomes(passed=2, failed=1)
     fabric = tests["test_fabric_spawn[buggy]"]["checks"]["no_host_sync"]
-    assert fabric["status"] == "failed" and fabric["summary"].startswith("rank 0, 1: 4 syncs at rank_models.py:")
+    line = line_of(pytester.path / "rank_models.py", "# SYNC in fabric_loop")
+    assert fabric["status"] == "failed"
+    assert fabric["summary"] == f"rank 0, 1: 4 syncs at rank_models.py:{line}: 1 per step over 4 steps"
     assert tests["test_fabric_spawn[clean]"]["outcome"] == "passed"
+    assert processes(tests["test_fabric_spawn[clean]"])["rank 1"]["steps"] == 4
 
     raised = tests["test_rank_raises"]
     assert raised["outcome"] == "passed"  # the test expected the rank's exception
@@ -378,3 +391,38 @@ def test_lightning_and_fabric_ddp_rerun_the_test_in_each_rank(
     assert tests["test_ddp_manual_accumulation[toggle_model]"]["checks"]["no_sync_accumulation"]["summary"] == (
         "rank 0, 1: at most 1 all-reduce per optimizer step over 2 steps (2 micro-batches each)"
     )
+
+
+SCRIPT_WATCH = '''
+import os
+from rank_models import Buggy, loader, trainer
+from pytest_torchperf import InvariantViolation, watch
+
+if __name__ == "__main__":
+    try:
+        with watch():
+            trainer("ddp").fit(Buggy(), loader())
+        verdict = "no violation raised"
+    except InvariantViolation as exc:
+        verdict = exc.report.summary_line()
+    left = "PYTEST_TORCHPERF_RANKS" in os.environ
+    print(f"LOCAL_RANK={os.environ.get('LOCAL_RANK')}: {verdict}; variable in the environment: {left}")
+'''
+
+
+def test_a_script_watching_a_ddp_fit_gets_every_rank(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning's ddp re-runs the script for rank 1; torchperf, imported by the script, reports from there.
+    pytester.makepyfile(rank_models=MODELS, train_ddp=SCRIPT_WATCH)
+    tmp = pytester.path / "tmpdir"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    result = pytester.run(sys.executable, "-W", "ignore", "train_ddp.py", timeout=300)
+    line = line_of(pytester.path / "rank_models.py")
+    result.stdout.fnmatch_lines([
+        "LOCAL_RANK=1: no violation raised; variable in the environment: True",
+    ])
+    result.stdout.fnmatch_lines([
+        f"LOCAL_RANK=0: torchperf: 1 invariant broken: no_host_sync (rank 0, 1: 4 syncs at rank_models.py:{line}: "
+        "1 per step over 4 steps); variable in the environment: False",
+    ])
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("torchperf-")] == []
