@@ -153,3 +153,48 @@ def test_the_probe_is_removed_with_the_watch(group: None) -> None:
     with watch(**OFF, no_sync_accumulation=True):
         assert DDP.forward is not forward and Reducer.prepare_for_backward is not prepare
     assert DDP.forward is forward and Reducer.prepare_for_backward is prepare
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs a CUDA device and NCCL"
+)
+def test_on_cuda_with_nccl_the_checks_see_the_same_and_add_no_sync(tmp_path: Any) -> None:
+    import warnings
+
+    dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        torch.manual_seed(0)
+        batches = [torch.randn(4, 8, device="cuda") for _ in range(8)]
+
+        def steps(model: Any) -> list[str]:
+            """Two micro-batches per step; the synchronising operations torch reports after the first step."""
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            seen: list[str] = []
+            for s in range(4):
+                if s == 1:
+                    torch.cuda.set_sync_debug_mode("warn")
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for m in range(2):
+                        model(batches[2 * s + m]).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                seen += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+            torch.cuda.set_sync_debug_mode("default")
+            return seen
+
+        unwatched = steps(DDP(Net().cuda(), find_unused_parameters=True))
+        watched: list[str] = []
+
+        def body() -> Any:
+            with watch(**OFF, no_unused_parameters_search=True, no_sync_accumulation=True) as run:
+                watched.extend(steps(DDP(Net().cuda(), find_unused_parameters=True)))
+            return run
+
+        report = report_of(body)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        dist.destroy_process_group()
+    assert len(watched) == len(unwatched), (watched, unwatched)  # the device-side fold adds no sync
+    assert report["no_sync_accumulation"].summary == "8 all-reduce rounds for 4 optimizer steps, up to 2 per step: 4 not needed"
+    assert report["no_unused_parameters_search"].status == FAILED
