@@ -22,6 +22,10 @@ session. The schema is versioned by ``SCHEMA_VERSION``::
          "checks": {"no_iterator_reset": {...the same, merged over the test's runs: failed if any run failed}}}
       ]
     }
+
+A run merged over the processes of a multi-process launch also has ``"ranks"`` (one entry per process)
+and, per invariant, ``figures["ranks"]`` (every process's verdict and figures; see
+:mod:`pytest_torchperf.ranks.merge`).
 """
 
 from __future__ import annotations
