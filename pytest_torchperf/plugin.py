@@ -221,7 +221,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def _verdict(config: pytest.Config, run: Run) -> None:
     """Fail the test on a broken invariant, unless the session only reports (or is a rank: its launcher judges)."""
     assert run.report is not None
-    if not run.report.passed and not config.stash[_SETTINGS].report_only and not ranks.in_rank_process():
+    if not run.report.passed and not config.stash[_SETTINGS].report_only and not ranks.judged_elsewhere():
         raise InvariantViolation(run.report)
 
 
@@ -318,7 +318,7 @@ class _Recorder:
         return getattr(self.config, "workerinput", None) is not None
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self._is_worker or not self.settings.json_path or ranks.in_rank_process():
+        if self._is_worker or not self.settings.json_path or ranks.judged_elsewhere():
             return  # a rank process re-running the session (Lightning's ddp) leaves the JSON to its launcher
         env: dict[str, Any] = results.environment(results.device_info())
         env["xdist_workers"] = getattr(self.config.option, "numprocesses", None) or 0
@@ -330,7 +330,7 @@ class _Recorder:
             return
         tr = terminalreporter
         verbose = (self.config.getoption("verbose", 0) or 0) > 0
-        rank = os.environ.get("LOCAL_RANK", "?") if ranks.in_rank_process() else None
+        rank = os.environ.get("LOCAL_RANK", "?") if ranks.judged_elsewhere() else None
         tr.write_sep("=", "torchperf summary" if rank is None else f"torchperf summary of rank process {rank} (reported to its launcher, which judges)")
         broken: dict[str, int] = {}
         for test in self.tests:

@@ -135,4 +135,32 @@ def test_a_bad_rank_variable_is_no_rank_context(monkeypatch: pytest.MonkeyPatch,
     from pytest_torchperf.ranks import child
 
     monkeypatch.setenv(child.ENV, value)
-    assert child.context() is None and not child.in_rank_process()
+    assert child.context() is None and not child.judged_elsewhere()
+
+
+@pytest.mark.parametrize("mode, raises", [("rerun", False), ("boot", True)])
+def test_only_a_rank_that_reruns_its_launcher_leaves_the_verdict_to_it(
+    monkeypatch: pytest.MonkeyPatch, mode: str, raises: bool
+) -> None:
+    import json
+
+    import torch
+
+    from pytest_torchperf import InvariantViolation
+    from pytest_torchperf.ranks import child
+
+    monkeypatch.setenv(child.ENV, json.dumps({"version": 1, "mode": mode, "dir": "/nonexistent", "runs": []}))
+    assert child.judged_elsewhere() is not raises
+
+    def body() -> Report:
+        with watch() as run:
+            with run.step():
+                torch.ones(2).sum().item()
+        assert run.report is not None
+        return run.report
+
+    if raises:  # a user's own watch() in a rank started with a function or a script: judged there
+        with pytest.raises(InvariantViolation):
+            body()
+    else:  # a Lightning ddp rank re-running the test: its launcher judges the same watch
+        assert body()["no_host_sync"].status == FAILED

@@ -23,10 +23,10 @@ from typing import Any, Optional
 from ..watch import EXTENSIONS
 from ..core import Run
 from . import launches
-from .child import ENV, in_rank_process
+from .child import ENV, judged_elsewhere
 from .merge import RankedReport
 
-__all__ = ["ENV", "RankedReport", "in_rank_process"]
+__all__ = ["ENV", "RankedReport", "judged_elsewhere"]
 
 
 class _Extension:
@@ -44,7 +44,7 @@ class _Extension:
                 run.report.internal_errors.setdefault("ranks", f"{type(error).__name__}: {error}")
 
     def judges(self, run: Run) -> bool:
-        return not in_rank_process()
+        return not judged_elsewhere()
 
 
 if not any(isinstance(e, _Extension) for e in EXTENSIONS):

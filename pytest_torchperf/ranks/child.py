@@ -18,8 +18,8 @@ A rank process learns that it is one in one of two ways:
 Each run writes its report to ``<directory>/d<depth>-l<local rank>.json``
 (:mod:`pytest_torchperf.ranks.wire`) when it ends; ``depth`` pairs it with the
 launching process's run at the same nesting depth (a marker's run is 0, a
-fixture's run inside it 1). In a rank process torchperf reports and never fails
-anything itself: the launching process judges.
+fixture's run inside it 1). The launching process judges; a rank that re-runs
+its launcher's command never fails anything itself (:func:`judged_elsewhere`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ..options import Options
 from ..stacks import TORCHPERF, USER, classify, display_path
 from .wire import VERSION, report_to_data, write_json
 
-__all__ = ["ENV", "ChildRuns", "RankEntry", "RankSpec", "context", "describe_error", "error_of", "in_rank_process", "rank_of"]
+__all__ = ["ENV", "ChildRuns", "RankEntry", "RankSpec", "context", "describe_error", "error_of", "judged_elsewhere", "rank_of"]
 
 #: Set in a rank process started by a command: JSON ``{"dir": ..., "mode": "rerun" | "boot", ...}``.
 ENV = "PYTEST_TORCHPERF_RANKS"
@@ -59,13 +59,20 @@ def context() -> Optional[dict[str, Any]]:
     return data if isinstance(data, dict) and data.get("version") == VERSION else None
 
 
-def in_rank_process() -> bool:
-    """Whether a launcher started this process as a rank of a watched run (it reports; the launcher judges)."""
-    return _IN_ENTRY[0] > 0 or context() is not None
+def judged_elsewhere() -> bool:
+    """Whether this process is a rank re-running its launcher's command (Lightning's and Fabric's ``ddp``).
 
-
-#: > 0 while a :class:`RankEntry` runs its function in this process.
-_IN_ENTRY = [0]
+    Everything such a process watches, its launcher watches too (the same
+    test, the same script), and judges, with this rank's report merged in. So
+    here torchperf never fails a test or raises: the rank's outcomes stay what
+    they would be without torchperf (Lightning kills the launching process
+    when a rank exits with an error), and the JSON report is the launcher's.
+    A rank started with a function, or through :mod:`~pytest_torchperf.ranks.boot`,
+    reports the launching runs from its own runs; a ``watch()`` the user's code
+    opens there is the user's own, judged there.
+    """
+    ctx = context()
+    return ctx is not None and ctx.get("mode") == "rerun"
 
 #: Run -> the global rank this process got while the run was active (``init_process_group``).
 _RANKS: "weakref.WeakKeyDictionary[Run, int]" = weakref.WeakKeyDictionary()
@@ -256,14 +263,10 @@ class RankEntry:
 
     def __call__(self, index: int, *args: Any) -> Any:
         __tracebackhide__ = True
-        _IN_ENTRY[0] += 1
-        try:
-            with ChildRuns(self.spec, index) as runs:
-                if self.spec.call is not None and _is_lightning_launch(self.fn):
-                    runs.observe_lightning(args)
-                return self.fn(index, *args)
-        finally:
-            _IN_ENTRY[0] -= 1
+        with ChildRuns(self.spec, index) as runs:
+            if self.spec.call is not None and _is_lightning_launch(self.fn):
+                runs.observe_lightning(args)
+            return self.fn(index, *args)
 
     def __repr__(self) -> str:
         return f"<torchperf rank entry for {self.fn!r}>"
