@@ -164,3 +164,31 @@ def test_only_a_rank_that_reruns_its_launcher_leaves_the_verdict_to_it(
             body()
     else:  # a Lightning ddp rank re-running the test: its launcher judges the same watch
         assert body()["no_host_sync"].status == FAILED
+
+
+def test_every_launcher_patch_is_undone_when_the_watch_ends() -> None:
+    import importlib
+    import sys
+
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401
+    import torch.multiprocessing
+    from torch._C._distributed_c10d import Reducer
+    from torch.nn.parallel import DistributedDataParallel
+
+    owners: list = [
+        torch.multiprocessing, sys.modules["torch.multiprocessing.spawn"], sys.modules["torch.distributed"],
+        sys.modules["torch.distributed.distributed_c10d"], sys.modules["torch.distributed.elastic.multiprocessing.api"],
+        DistributedDataParallel, Reducer,
+    ]
+    for name in ("pytorch_lightning", "lightning_fabric"):
+        module = importlib.import_module(f"{name}.strategies.launchers.subprocess_script")
+        owners.append(module._SubprocessScriptLauncher)
+    before = [dict(vars(owner)) for owner in owners]
+    with watch(no_unused_parameters_search=True, no_sync_accumulation=True):
+        patched = [name for owner, old in zip(owners, before) for name in old if vars(owner).get(name) is not old[name]]
+    assert sorted(set(patched)) == [
+        "__init__", "_call_children_scripts", "forward", "get_subprocess_handler", "init_process_group", "launch",
+        "prepare_for_backward", "start_processes",
+    ]
+    after = [dict(vars(owner)) for owner in owners]
+    assert after == before
