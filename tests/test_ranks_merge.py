@@ -192,3 +192,18 @@ def test_every_launcher_patch_is_undone_when_the_watch_ends() -> None:
     ]
     after = [dict(vars(owner)) for owner in owners]
     assert after == before
+
+
+@pytest.mark.parametrize(
+    "args, booted",
+    [
+        (("-u", "train.py", "--sync"), ("-u", "-m", "pytest_torchperf.ranks.boot", "train.py", "--sync")),
+        (("-u", "-m", "pkg.train", "--lr", "1"), ("-u", "-m", "pytest_torchperf.ranks.boot", "-m", "pkg.train", "--lr", "1")),
+        (("-X", "dev", "train.py"), ("-X", "dev", "-m", "pytest_torchperf.ranks.boot", "train.py")),
+        (("-u", "-c", "print(1)"), None),  # code on the command line: nothing to run through the boot module
+    ],
+)
+def test_a_torchrun_rank_command_runs_its_script_through_the_boot_module(args: tuple, booted: object) -> None:
+    from pytest_torchperf.ranks.launches import _boot_args
+
+    assert _boot_args(args) == booted
