@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -207,3 +208,23 @@ def test_a_torchrun_rank_command_runs_its_script_through_the_boot_module(args: t
     from pytest_torchperf.ranks.launches import _boot_args
 
     assert _boot_args(args) == booted
+
+
+def test_report_directories_of_dead_processes_are_swept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    from pytest_torchperf.ranks import launches
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"torchperf-ranks-{dead.stdout.strip()}-abc"
+    (stale / "key").mkdir(parents=True)
+    alive = tmp_path / f"torchperf-ranks-{os.getppid()}-def"
+    alive.mkdir()
+    mine = tmp_path / f"torchperf-ranks-{os.getpid()}-ghi"
+    mine.mkdir()
+    monkeypatch.setattr(launches, "_swept", [False])
+    monkeypatch.setattr(launches.tempfile, "tempdir", str(tmp_path))
+    made = Path(launches.make_directory())
+    assert made.parent == tmp_path and made.name.startswith(f"torchperf-ranks-{os.getpid()}-")
+    assert not stale.exists() and alive.exists() and mine.exists()

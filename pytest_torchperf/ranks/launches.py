@@ -88,6 +88,40 @@ class Launch:
 #: Run -> the launches it has to collect when it ends.
 _LAUNCHES: "weakref.WeakKeyDictionary[Run, list[Launch]]" = weakref.WeakKeyDictionary()
 
+#: Report directories are ``torchperf-ranks-<pid of the launching process>-<random>``.
+PREFIX = "torchperf-ranks-"
+_swept = [False]
+
+
+def make_directory() -> str:
+    """A new report directory; the first one of a process also removes those of dead processes.
+
+    A launching process removes its directories itself, even when its test
+    fails or crashes; only one that was killed (Lightning kills its launcher
+    when a ``ddp`` rank fails) leaves one behind, which the next run sweeps.
+    """
+    if not _swept[0]:
+        _swept[0] = True
+        _sweep(tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
+
+
+def _sweep(root: str) -> None:
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:  # alive, someone else's
+            pass
+
 
 def new_launch(launcher: str, directory: Optional[str] = None, only: Optional[list[Run]] = None) -> Optional[Launch]:
     """A launch for the active runs (or those of them in ``only``), with its report directory; None without runs."""
@@ -95,7 +129,7 @@ def new_launch(launcher: str, directory: Optional[str] = None, only: Optional[li
     if not runs or (only is not None and not only):
         return None
     if directory is None:
-        directory = tempfile.mkdtemp(prefix="torchperf-ranks-")
+        directory = make_directory()
     else:
         os.makedirs(directory, exist_ok=True)
     launch = Launch(launcher, directory)
@@ -262,7 +296,7 @@ class _ScriptState:
 
     def session_directory(self) -> str:
         if self.directory is None or not os.path.isdir(self.directory):
-            self.directory = tempfile.mkdtemp(prefix="torchperf-ranks-")
+            self.directory = make_directory()
             atexit.register(shutil.rmtree, self.directory, True)
         return self.directory
 
