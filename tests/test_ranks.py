@@ -12,12 +12,12 @@ show that no report directory is left behind.
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import sys
-import textwrap
+import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -118,9 +118,10 @@ except ImportError:  # pragma: no cover - the lightning package only
     from lightning.fabric import Fabric
 
 
-def loader():
+def loader(**kwargs):
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)), batch_size=4)
+    data = TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g))
+    return DataLoader(data, batch_size=4, **kwargs)
 
 
 class Clean(pl.LightningModule):
@@ -165,8 +166,9 @@ class ManualAccumulation(Clean):
 
 
 def trainer(strategy, **kwargs):
-    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    kwargs.setdefault("max_epochs", 1)
+    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
 
 def fabric_loop(fabric, sync):
@@ -233,6 +235,12 @@ def test_ddp_manual_accumulation(toggle):
 
 
 @pytest.mark.torchperf
+@pytest.mark.parametrize("persistent", [True, False], ids=["clean", "buggy"])
+def test_ddp_loader_workers(persistent):
+    trainer("ddp", max_epochs=2).fit(Clean(), loader(num_workers=1, persistent_workers=persistent))
+
+
+@pytest.mark.torchperf
 @pytest.mark.parametrize("sync", [False, True], ids=["clean", "buggy"])
 def test_fabric_ddp(sync):
     f = fabric("ddp")
@@ -241,12 +249,23 @@ def test_fabric_ddp(sync):
 '''
 
 
-def run_suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str, timeout: float = 400) -> Any:
-    """``python -m pytest`` in the pytester directory, with its own TMPDIR; returns the result and the JSON."""
-    tmp = pytester.path / "tmpdir"
-    tmp.mkdir()
+@pytest.fixture
+def own_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A TMPDIR of its own for the inner run, to show no report directory is left behind.
+
+    Short: multiprocessing puts the Unix socket that hands tensors from DataLoader workers to their
+    process in TMPDIR, and a socket path may not exceed 107 bytes.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="tp-"))
     monkeypatch.setenv("TMPDIR", str(tmp))
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_suite(pytester: pytest.Pytester, tmp: Path, *args: str, timeout: float = 400) -> Any:
+    """``python -m pytest`` in the pytester directory; returns the result and the JSON."""
     result = pytester.run(
         sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "ignore", "-rA",
         "--torchperf-json=report.json", "--junitxml=junit.xml", *args, timeout=timeout,
@@ -274,14 +293,14 @@ def processes(test: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_mp_spawn_torchrun_and_lightning_ddp_spawn_ranks_under_xdist(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, own_tmpdir: Path
 ) -> None:
     # Two workers each run DDP groups at the same time: file stores for mp.spawn, torchrun's standalone
     # rendezvous on a port the OS picks, Lightning's MASTER_PORT found free by each worker's launcher.
     pytester.makepyfile(
         plain_ranks=PLAIN, train_script=SCRIPT, test_plain=TEST_PLAIN, rank_models=MODELS, test_ddp_spawn=TEST_DDP_SPAWN
     )
-    result, tests = run_suite(pytester, monkeypatch, "-n", "2")
+    result, tests = run_suite(pytester, own_tmpdir, "-n", "2")
     result.assert_outcomes(passed=3, failed=3)
     plain_line = line_of(pytester.path / "plain_ranks.py")
     script_line = line_of(pytester.path / "train_script.py")
@@ -330,11 +349,11 @@ def test_mp_spawn_torchrun_and_lightning_ddp_spawn_ranks_under_xdist(
     assert spawned["no_unused_parameters_search"]["status"] == "passed"
 
 
-def test_fabric_ddp_spawn_ranks_and_a_rank_that_raises(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fabric_ddp_spawn_ranks_and_a_rank_that_raises(pytester: pytest.Pytester, own_tmpdir: Path) -> None:
     # The forking test runs first, in a process that has not started any torch.distributed store (a forked
     # child that inherits one can hang in its destructor: torch's hazard, with or without torchperf).
     pytester.makepyfile(plain_ranks=PLAIN, test_fork=TEST_FORK, rank_models=MODELS, test_spawn=TEST_FABRIC_SPAWN)
-    result, tests = run_suite(pytester, monkeypatch)
+    result, tests = run_suite(pytester, own_tmpdir)
     result.assert_outcomes(passed=2, failed=1)
     fabric = tests["test_fabric_spawn[buggy]"]["checks"]["no_host_sync"]
     line = line_of(pytester.path / "rank_models.py", "# SYNC in fabric_loop")
@@ -357,21 +376,23 @@ def test_fabric_ddp_spawn_ranks_and_a_rank_that_raises(pytester: pytest.Pytester
 
 
 def test_lightning_and_fabric_ddp_rerun_the_test_in_each_rank(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, own_tmpdir: Path
 ) -> None:
     pytester.makepyfile(rank_models=MODELS, test_script=TEST_SCRIPT)
-    result, tests = run_suite(pytester, monkeypatch)
+    result, tests = run_suite(pytester, own_tmpdir)
     # The rank process re-runs the whole session; its own outcomes never fail (its launcher judges) and its
     # JSON is not written over the launcher's.
     result.stdout.fnmatch_lines(["*torchperf summary of rank process 1 (reported to its launcher, which judges)*"])
-    result.stdout.fnmatch_lines(["* 6 passed in *"])
-    result.stdout.fnmatch_lines(["* 3 failed, 3 passed in *"])
+    result.stdout.fnmatch_lines(["* 8 passed in *"])
+    result.stdout.fnmatch_lines(["* 4 failed, 4 passed in *"])
     assert result.ret == 1
     assert {name: t["outcome"] for name, t in tests.items()} == {
         "test_ddp[clean]": "passed",
         "test_ddp[buggy]": "failed",
         "test_ddp_manual_accumulation[toggle_model]": "passed",
         "test_ddp_manual_accumulation[all_reduce_each_micro_batch]": "failed",
+        "test_ddp_loader_workers[clean]": "passed",
+        "test_ddp_loader_workers[buggy]": "failed",
         "test_fabric_ddp[clean]": "passed",
         "test_fabric_ddp[buggy]": "failed",
     }
@@ -391,6 +412,11 @@ def test_lightning_and_fabric_ddp_rerun_the_test_in_each_rank(
     assert tests["test_ddp_manual_accumulation[toggle_model]"]["checks"]["no_sync_accumulation"]["summary"] == (
         "rank 0, 1: at most 1 all-reduce per optimizer step over 2 steps (2 micro-batches each)"
     )
+    # no_iterator_reset runs in each rank too: each rank's loader started a worker pool every epoch.
+    reset = tests["test_ddp_loader_workers[buggy]"]["checks"]["no_iterator_reset"]
+    assert reset["status"] == "failed" and reset["summary"].startswith("rank 0, 1: ")
+    assert {k: v["status"] for k, v in reset["figures"]["ranks"].items()} == {"rank0": "failed", "rank1": "failed"}
+    assert tests["test_ddp_loader_workers[clean]"]["checks"]["no_iterator_reset"]["status"] == "passed"
 
 
 SCRIPT_WATCH = '''
@@ -410,12 +436,9 @@ if __name__ == "__main__":
 '''
 
 
-def test_a_script_watching_a_ddp_fit_gets_every_rank(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_script_watching_a_ddp_fit_gets_every_rank(pytester: pytest.Pytester, own_tmpdir: Path) -> None:
     # Lightning's ddp re-runs the script for rank 1; torchperf, imported by the script, reports from there.
     pytester.makepyfile(rank_models=MODELS, train_ddp=SCRIPT_WATCH)
-    tmp = pytester.path / "tmpdir"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
     result = pytester.run(sys.executable, "-W", "ignore", "train_ddp.py", timeout=300)
     line = line_of(pytester.path / "rank_models.py")
     result.stdout.fnmatch_lines([
@@ -425,4 +448,4 @@ def test_a_script_watching_a_ddp_fit_gets_every_rank(pytester: pytest.Pytester, 
         f"LOCAL_RANK=0: torchperf: 1 invariant broken: no_host_sync (rank 0, 1: 4 syncs at rank_models.py:{line}: "
         "1 per step over 4 steps); variable in the environment: False",
     ])
-    assert [p.name for p in tmp.iterdir() if p.name.startswith("torchperf-")] == []
+    assert [p.name for p in own_tmpdir.iterdir() if p.name.startswith("torchperf-")] == []
