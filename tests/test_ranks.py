@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import pytest
 
 PLAIN = '''
+import gc
 import os
 import torch
 import torch.distributed as dist
@@ -46,10 +47,15 @@ def train(rank, world, store, sync, fail_rank=None):
             opt.zero_grad()
             if sync:
                 print(f"loss {loss:.3f}")  # SYNC
+    # Free the DDP module (and the gloo group it holds) before exiting: torch 2.13 can abort a process whose
+    # gloo worker thread frees its last all-reduce while Python shuts down.
+    del model, opt, loss
+    gc.collect()
     dist.destroy_process_group()
 '''
 
 SCRIPT = '''
+import gc
 import sys
 import torch
 import torch.distributed as dist
@@ -65,6 +71,8 @@ for _ in range(4):
     opt.zero_grad()
     if "--sync" in sys.argv:
         print(loss.item())  # SYNC
+del model, opt, loss  # see plain_ranks.train
+gc.collect()
 dist.destroy_process_group()
 '''
 
@@ -105,7 +113,9 @@ def test_rank_raises(tmp_path):
 '''
 
 MODELS = '''
+import atexit
 import contextlib
+import gc
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 import pytest_torchperf as torchperf
@@ -165,13 +175,42 @@ class ManualAccumulation(Clean):
             opt.zero_grad()
 
 
+_RELEASE = []
+
+
+def release_at_exit():
+    """Free the gloo group while Python is still up when this rank exits.
+
+    torch 2.13 can abort a process (SIGABRT, "terminate called without an active exception") whose gloo
+    worker thread frees an all-reduce once Python has started shutting down: Lightning and Fabric leave
+    the group (and the DDP module holding it) alive in their ranks. torch's own issue, with or without
+    torchperf.
+    """
+    if not _RELEASE:
+        _RELEASE.append(True)
+
+        def release():
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            gc.collect()
+
+        atexit.register(release)
+
+
+class ReleaseAtExit(pl.Callback):
+    def setup(self, trainer, pl_module, stage):
+        release_at_exit()
+
+
 def trainer(strategy, **kwargs):
     kwargs.setdefault("max_epochs", 1)
+    kwargs["callbacks"] = [ReleaseAtExit()]
     return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
 
 def fabric_loop(fabric, sync):
+    release_at_exit()
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = fabric.setup(model, opt)
@@ -264,12 +303,26 @@ def own_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+#: What torch 2.13 prints when a gloo rank aborts in the C++ teardown of interpreter exit, after its work
+#: (with or without torchperf; the ranks here free their group before exiting, which avoids it, see
+#: plain_ranks.train and rank_models.release_at_exit).
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
 def run_suite(pytester: pytest.Pytester, tmp: Path, *args: str, timeout: float = 400) -> Any:
-    """``python -m pytest`` in the pytester directory; returns the result and the JSON."""
-    result = pytester.run(
-        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "ignore", "-rA",
-        "--torchperf-json=report.json", "--junitxml=junit.xml", *args, timeout=timeout,
-    )
+    """``python -m pytest`` in the pytester directory; returns the result and the JSON.
+
+    Run again, once, only when a rank died of torch's own abort at exit (``TORCH_EXIT_ABORT``): that
+    exit code fails the launch whatever torchperf does. Any other failure counts at once.
+    """
+    for attempt in (1, 2):
+        result = pytester.run(
+            sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "ignore", "-rA",
+            "--torchperf-json=report.json", "--junitxml=junit.xml", *args, timeout=timeout,
+        )
+        if attempt == 2 or TORCH_EXIT_ABORT not in result.stdout.str() + result.stderr.str():
+            break
+        print("a rank aborted at exit (torch's teardown, not torchperf): running the suite again")
     leftovers = [p.name for p in tmp.iterdir() if p.name.startswith("torchperf-")]
     assert leftovers == [], f"report directories left behind: {leftovers}"
     doc = json.loads((pytester.path / "report.json").read_text())

@@ -56,9 +56,9 @@ class SyncAccumulationCheck(Check):
         self.forwards = 0
         self.grad_bytes = 0
         self.first_extra: Optional[Stack] = None
+        #: id(reducer) -> the bytes of gradients its DDP module all-reduces per round (no reference to the module:
+        #: a rank must be able to free its DDP, and the process group it holds, before it exits).
         self._sizes: dict[int, int] = {}
-        #: id(reducer) -> its DDP module (kept until the verdict, so ids cannot be reused meanwhile).
-        self._owners: dict[int, Any] = {}
         self._torch: Any = None
 
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
@@ -71,20 +71,15 @@ class SyncAccumulationCheck(Check):
 
             self._torch = torch
         self.forwards += 1
-        self._owners[id(getattr(module, "reducer", None))] = module
+        key = id(getattr(module, "reducer", None))
+        if key not in self._sizes:
+            self._sizes[key] = sum(p.numel() * p.element_size() for p in module.module.parameters() if p.requires_grad)
         if torch.is_grad_enabled():
             self.micro_batches += 1
 
     def on_ddp_armed(self, reducer: Any) -> None:
         self.rounds += 1
-        module = self._owners.get(id(reducer))
-        if module is not None:
-            size = self._sizes.get(id(module))
-            if size is None:
-                size = self._sizes[id(module)] = sum(
-                    p.numel() * p.element_size() for p in module.module.parameters() if p.requires_grad
-                )
-            self.grad_bytes = max(self.grad_bytes, size)
+        self.grad_bytes = max(self.grad_bytes, self._sizes.get(id(reducer), 0))
         if self.rounds == 2 and self.first_extra is None:
             self.first_extra = until_user_frame(capture(3))
 

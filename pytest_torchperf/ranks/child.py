@@ -245,6 +245,10 @@ class ChildRuns:
                 pass
         for depth, run in self.runs:
             write_report(run, self.spec.directory, depth, self.local_rank, self.spec.launcher, error)
+        # Hold nothing of the user's past this point: the process exits next, and what torchperf kept alive
+        # (a trainer, a DDP module and its process group) would be freed during interpreter shutdown.
+        self.runs.clear()
+        self._call = None
         if self._hidden is not None:
             self._hidden.__exit__(None, None, None)
 
