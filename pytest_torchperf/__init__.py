@@ -21,12 +21,14 @@ from __future__ import annotations
 from ._version import __version__
 from .arguments import Argument, Choice, Flag, Integer, Number, SiteList, UsageError
 from .core import EVENTS, Check, Run
+from .marks import step
 from .options import Options, parse_options
 from .probes import Probe
 from .registry import ENTRY_POINT_GROUP, Invariant, register, unregister
 from .report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, InvariantViolation, Report, Site
 from .timing import NotMirrored, ParityResult, parity, vanilla_fit
 from .watch import watch
+from . import ranks  # noqa: E402,F401 - registers multi-process support with watch (every rank observed)
 
 __all__ = [
     "Argument",
@@ -56,6 +58,7 @@ __all__ = [
     "parity",
     "parse_options",
     "register",
+    "step",
     "unregister",
     "vanilla_fit",
     "watch",

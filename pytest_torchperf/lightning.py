@@ -36,7 +36,16 @@ from typing import Any, Callable, Iterator, Optional
 from . import core
 from .patching import Patcher
 
-__all__ = ["install", "current_trainer", "current_call", "trainer_init_args", "unobserved", "stage_label"]
+__all__ = [
+    "ObservedCall",
+    "TrainerCall",
+    "install",
+    "current_trainer",
+    "current_call",
+    "trainer_init_args",
+    "unobserved",
+    "stage_label",
+]
 
 #: Trainer module -> the package it belongs to.
 _TRAINER_MODULES = {
@@ -204,6 +213,48 @@ def _attach_to_fit(patcher: Patcher, trainer: Any, model: Any, package: str, bat
             patcher.wrap(owner, module_hook, lambda fn: _wrap_dispatcher(fn, "module", bound))
 
 
+class ObservedCall:
+    """Observe one Trainer call for ``runs`` (default: the active runs) while the ``with`` block runs it.
+
+    What the ``Trainer.fit/validate/test/predict`` wrappers do around the
+    original call: the call is current (:func:`current_call`), the checks get
+    ``on_trainer_call`` / ``on_trainer_call_end``, and a fit's
+    ``training_step`` marks the steps. A rank process started by a launcher
+    (``ddp_spawn``) runs the call its parent began, without going through
+    ``Trainer.fit``: it observes it with this. A plain class, not a generator:
+    an exception of the user's passes through without torchperf frames.
+    """
+
+    def __init__(self, call: TrainerCall, model: Any, runs: Optional[list[Any]] = None) -> None:
+        self.call = call
+        self.model = model
+        self.runs = list(core.active_runs()) if runs is None else runs
+        self._local = Patcher()
+
+    def __enter__(self) -> "ObservedCall":
+        call, model, local = self.call, self.model, self._local
+        try:
+            OBSERVER.trainers.append(call.trainer)
+            local.callback(OBSERVER.trainers.pop)
+            OBSERVER.calls.append(call)
+            local.callback(OBSERVER.calls.pop)
+            for run in self.runs:
+                run.notify("on_trainer_call", call.kind, call.trainer, model)
+            if call.kind == "fit" and model is not None:
+                batch_scope = any(run.scope == "batch" for run in self.runs)
+                _attach_to_fit(local, call.trainer, model, call.package, batch_scope)
+        except Exception as exc:  # noqa: BLE001 - never into the user's code
+            core.probe_failed("lightning", exc)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._local.undo()
+        call = self.call
+        for run in self.runs:
+            run.batch_ended()
+            run.notify("on_trainer_call_end", call.kind, call.trainer, self.model)
+
+
 def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) -> Callable[..., Any]:
     @functools.wraps(original)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -212,27 +263,9 @@ def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) ->
         observer = OBSERVER
         if not runs or observer.unobserved or any(t is self for t in observer.trainers):
             return original(self, *args, **kwargs)
-        local = Patcher()
         model = args[0] if args else kwargs.get("model")
-        try:
-            observer.trainers.append(self)
-            local.callback(observer.trainers.pop)
-            observer.calls.append(TrainerCall(kind, self, package, args, dict(kwargs)))
-            local.callback(observer.calls.pop)
-            for run in runs:
-                run.notify("on_trainer_call", kind, self, model)
-            if kind == "fit" and model is not None:
-                batch_scope = any(run.scope == "batch" for run in runs)
-                _attach_to_fit(local, self, model, package, batch_scope)
-        except Exception as exc:  # noqa: BLE001 - never into the user's code
-            core.probe_failed("lightning", exc)
-        try:
+        with ObservedCall(TrainerCall(kind, self, package, args, dict(kwargs)), model, runs):
             return original(self, *args, **kwargs)
-        finally:
-            local.undo()
-            for run in runs:
-                run.batch_ended()
-                run.notify("on_trainer_call_end", kind, self, model)
 
     return call
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import adoption, baseline, project, results, stacks
+from . import adoption, baseline, project, ranks, results, stacks
 from .arguments import UsageError
 from .core import Run
 from .options import OVERHEAD_ROUNDS, Options, describe_options, parse_options
@@ -139,6 +139,8 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
     """Fail the test on a broken invariant, unless the session only reports or the baseline knows it;
     skip it or warn for an inconclusive one, as ``overhead_inconclusive`` says."""
     assert report is not None
+    if ranks.judged_elsewhere():
+        return  # a rank process re-running the session: its launcher judges
     settings = item.config.stash[_SETTINGS]
     fail = not (settings.report_only or settings.baseline_update)
     if fail and not report.passed:
@@ -283,8 +285,8 @@ class _Recorder:
         return getattr(self.config, "workerinput", None) is not None
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self._is_worker or not self.settings.json_path:
-            return
+        if self._is_worker or not self.settings.json_path or ranks.judged_elsewhere():
+            return  # a rank process re-running the session (Lightning's ddp) leaves the JSON to its launcher
         env: dict[str, Any] = results.environment(results.device_info())
         env["xdist_workers"] = getattr(self.config.option, "numprocesses", None) or 0
         env["report_only"] = self.settings.report_only
@@ -295,7 +297,8 @@ class _Recorder:
             return
         tr = terminalreporter
         verbose = (self.config.getoption("verbose", 0) or 0) > 0
-        tr.write_sep("=", "torchperf summary")
+        rank = os.environ.get("LOCAL_RANK", "?") if ranks.judged_elsewhere() else None
+        tr.write_sep("=", "torchperf summary" if rank is None else f"torchperf summary of rank process {rank} (reported to its launcher, which judges)")
         broken: dict[str, int] = {}
         unsure: dict[str, int] = {}
         for test in self.tests:
@@ -321,6 +324,16 @@ class _Recorder:
                     else:
                         parts.append(f"{name}: {check['status']} ({check['summary']})")
                 tr.write_line(f"        {run['source']}: " + " | ".join(parts))
+                for process in run.get("ranks", ()):  # a rank that raised or sent nothing says so here
+                    error, missing = process.get("error"), process.get("missing")
+                    if error:
+                        where = f" at {error['where']}" if error.get("where") else ""
+                        tr.write_line(
+                            f"        {process['process']} (pid {process['pid']}) raised {error['type']}: "
+                            f"{error['message']}{where}", red=True,
+                        )
+                    elif missing:
+                        tr.write_line(f"        {process['process']}: {missing}", red=True)
         watched = len(self.tests)
         line = f"torchperf: {plural(watched, 'watched test')}"
         if broken:

@@ -75,6 +75,8 @@ BUILTIN = (
     "mixed_precision",
     "no_graph_retention",
     "max_memory_growth",
+    "no_unused_parameters_search",
+    "no_sync_accumulation",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.

@@ -22,6 +22,10 @@ session. The schema is versioned by ``SCHEMA_VERSION``::
          "checks": {"no_iterator_reset": {...the same, merged over the test's runs: failed if any run failed}}}
       ]
     }
+
+A run merged over the processes of a multi-process launch also has ``"ranks"`` (one entry per process)
+and, per invariant, ``figures["ranks"]`` (every process's verdict and figures; see
+:mod:`pytest_torchperf.ranks.merge`).
 """
 
 from __future__ import annotations
@@ -153,13 +157,26 @@ def write(path: str, doc: dict[str, Any]) -> None:
 
 
 def junit_properties(checks: dict[str, dict[str, Any]]) -> list[tuple[str, Any]]:
-    """Flat ``torchperf.<invariant>.<figure>`` properties: verdict, count and scalar figures."""
+    """Flat ``torchperf.<invariant>.<figure>`` properties: verdict, count and scalar figures.
+
+    A run merged over several processes has each one's verdict and figures under
+    ``figures["ranks"]``: they become ``torchperf.<invariant>.rank1.<figure>``.
+    """
     props: list[tuple[str, Any]] = []
     for name, check in checks.items():
         prefix = f"torchperf.{name}"
         props.append((f"{prefix}.status", check["status"]))
         props.append((f"{prefix}.count", check["count"]))
-        for key, value in check.get("figures", {}).items():
-            if isinstance(value, (bool, int, float, str)) or value is None:
-                props.append((f"{prefix}.{key}", value))
+        figures = check.get("figures", {})
+        props.extend(_scalars(prefix, figures))
+        for process, values in (figures.get("ranks") or {}).items():
+            props.extend(_scalars(f"{prefix}.{process}", values))
     return props
+
+
+def _scalars(prefix: str, figures: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [
+        (f"{prefix}.{key}", value)
+        for key, value in figures.items()
+        if isinstance(value, (bool, int, float, str)) or value is None
+    ]

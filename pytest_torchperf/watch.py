@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from . import core, lightning, registry, stacks
 from .core import Run
@@ -24,7 +24,7 @@ from .patching import Patcher, lift_all, relay_all
 from .probes import relocate_warnings
 from .report import settle
 
-__all__ = ["Run", "start", "stop", "watch", "watching"]
+__all__ = ["EXTENSIONS", "Run", "finish", "start", "stop", "watch", "watching"]
 
 #: Installed probes by name, in install order, each with its own patcher.
 _installed: dict[str, Patcher] = {}
@@ -34,6 +34,11 @@ _needs: dict[str, tuple[str, ...]] = {}
 _base: list[Patcher] = []
 #: Patchers of probes taken out mid-run: their deferred undo actions run when the last run stops.
 _removed: list[Patcher] = []
+
+#: Objects told about every run (multi-process support, :mod:`pytest_torchperf.ranks`, registers one):
+#: ``install(patcher)`` with the base patches, ``finished(run, exc)`` once its report is made (it may
+#: replace ``run.report``), ``judges(run) -> bool`` (False: another process judges it, ``watch()`` won't raise).
+EXTENSIONS: list[Any] = []
 
 
 def start(run: Run) -> None:
@@ -46,6 +51,8 @@ def start(run: Run) -> None:
             _keep_torch_caches(base)
             relocate_warnings(base)
             lightning.install(base)
+            for extension in EXTENSIONS:
+                extension.install(base)
         except BaseException:
             _base.clear()
             base.undo()
@@ -156,6 +163,13 @@ def _lifted(fn: Any) -> None:
         relay_all()
 
 
+def finish(run: Run, exc: Optional[BaseException] = None) -> None:
+    """Evaluate a stopped run into ``run.report`` (``exc``: what ended its block, if it raised)."""
+    run.finish()
+    for extension in EXTENSIONS:
+        extension.finished(run, exc)
+
+
 @contextlib.contextmanager
 def watching(options: Options) -> Iterator[Run]:
     """Run the block under watch and evaluate it; never raises a verdict itself."""
@@ -163,15 +177,15 @@ def watching(options: Options) -> Iterator[Run]:
     start(run)
     try:
         yield run
-    except BaseException:
+    except BaseException as exc:
         # The block's own exception is what the user must see: stop watching,
         # keep what can be concluded, and let it propagate.
         stop(run)
         with contextlib.suppress(Exception):
-            run.finish()
+            finish(run, exc)
         raise
     stop(run)
-    run.finish()
+    finish(run)
 
 
 @contextlib.contextmanager
@@ -187,7 +201,8 @@ def watch(**kwargs: Any) -> Iterator[Run]:
     options = parse_options(kwargs, where="torchperf.watch()")
     with watching(options) as run:
         yield run
-    settle(run.report)  # type: ignore[arg-type]
+    if all(e.judges(run) for e in EXTENSIONS):  # another process (a rank's launcher) may judge it
+        settle(run.report)  # type: ignore[arg-type]
 
 
 def installed_probes() -> tuple[str, ...]:
