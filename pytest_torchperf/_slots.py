@@ -61,13 +61,16 @@ TWIN_NAMES = {
 _supported: Optional[str] = None  # "" when supported, else why not
 
 
+#: Bytes before ``tp_name``: the PyVarObject header (refcount, type, size).
+_HEADER = object.__basicsize__ + ctypes.sizeof(ctypes.c_ssize_t)
+
+
 def _header() -> int:
-    """Bytes before ``tp_name``: the PyVarObject header (refcount, type, size)."""
-    return object.__basicsize__ + ctypes.sizeof(ctypes.c_ssize_t)
+    return _HEADER
 
 
 def _field(tp: type, index: int) -> ctypes.c_void_p:
-    return ctypes.c_void_p.from_address(id(tp) + _header() + index * _PTR)
+    return ctypes.c_void_p.from_address(id(tp) + _HEADER + index * _PTR)
 
 
 def _table(tp: type, which: int) -> Optional[int]:
@@ -186,12 +189,11 @@ class SlotGuard:
         self.tp = tp
         self.users = 0
         self.names: list[str] = []
-        self._saved: dict[type, dict[int, list[Optional[int]]]] = {}
+        #: class -> {table: (its address, its bytes)}.
+        self._saved: dict[type, dict[int, tuple[int, bytes]]] = {}
         for cls in [tp] + _subclasses(tp):
             if cls.__flags__ & _HEAPTYPE:
-                self._saved[cls] = {
-                    which: [_slot(cls, which, i).value for i in range(size)] for which, size in _TABLE_SIZES.items()
-                }
+                self._saved[cls] = _tables(cls)
 
     def patched(self, name: str) -> None:
         """Right after ``setattr(tp, name, ...)``: put the sequence twin back (it stays a non-sequence)."""
@@ -202,27 +204,30 @@ class SlotGuard:
 
     def fix_twins(self, names: Any = None) -> None:
         """The sequence slots of ``names`` (default: every twin name) back to the snapshot's values."""
-        for name in TWIN_NAMES if names is None else names:
-            index = TWIN_NAMES[name]
-            for cls in [self.tp] + _subclasses(self.tp):
-                if not cls.__flags__ & _HEAPTYPE:
-                    continue
-                saved = self._saved.get(cls)
-                if saved is None:  # created while patched: as its base was, unless it defines the name itself
-                    if _overrides(cls, self.tp, name):
-                        continue
-                    saved = self._saved[self.tp]
-                _slot(cls, _AS_SEQUENCE, index).value = saved[_AS_SEQUENCE][index]
+        names = tuple(TWIN_NAMES) if names is None else names
+        for cls in [self.tp] + _subclasses(self.tp):
+            if not cls.__flags__ & _HEAPTYPE:
+                continue
+            saved = self._saved.get(cls)
+            own = saved is not None
+            if not own:
+                saved = self._saved[self.tp]
+            sequence = _table(cls, _AS_SEQUENCE)
+            for name in names:
+                if not own and _overrides(cls, self.tp, name):
+                    continue  # created while patched and defines the name itself: its own slot
+                _copy_pointer(sequence, saved[_AS_SEQUENCE][1], TWIN_NAMES[name])
 
     def adopt(self, cls: type) -> None:
         """``cls`` was just created as a subclass while patched: the twin slots its base had."""
         if not cls.__flags__ & _HEAPTYPE:
             return
-        base = self._saved[self.tp]
+        base = self._saved[self.tp][_AS_SEQUENCE][1]
+        sequence = _table(cls, _AS_SEQUENCE)
         for name in self.names:
             index = TWIN_NAMES.get(name)
             if index is not None and not _overrides(cls, self.tp, name):
-                _slot(cls, _AS_SEQUENCE, index).value = base[_AS_SEQUENCE][index]
+                _copy_pointer(sequence, base, index)
 
     def restore(self) -> None:
         """After the attribute is put back: every slot table as it was before the first patch."""
@@ -231,13 +236,27 @@ class SlotGuard:
                 continue
             saved = self._saved.get(cls)
             if saved is not None:
-                for which, values in saved.items():
-                    for i, value in enumerate(values):
-                        slot = _slot(cls, which, i)
-                        if slot.value != value:
-                            slot.value = value
+                for which, (address, data) in saved.items():
+                    if _table(cls, which) == address and ctypes.string_at(address, len(data)) != data:
+                        ctypes.memmove(address, data, len(data))
             else:  # created while patched: the twin slots its base had, unless it defines the name itself
                 self.adopt(cls)
+
+
+def _tables(cls: type) -> dict[int, tuple[int, bytes]]:
+    """``{table: (address, bytes)}`` of a heap type's number, sequence and mapping tables."""
+    out: dict[int, tuple[int, bytes]] = {}
+    for which, size in _TABLE_SIZES.items():
+        address = _table(cls, which)
+        if address:
+            out[which] = (address, ctypes.string_at(address, size * _PTR))
+    return out
+
+
+def _copy_pointer(table: Optional[int], saved: bytes, index: int) -> None:
+    """Slot ``index`` of the table at ``table`` set to its value in ``saved`` (that table's bytes)."""
+    if table:
+        ctypes.memmove(table + index * _PTR, saved[index * _PTR:(index + 1) * _PTR], _PTR)
 
 
 def _overrides(cls: type, base: type, name: str) -> bool:

@@ -35,7 +35,7 @@ class MinWorkersCheck(Check):
     def __init__(self, run: "Run") -> None:
         super().__init__(run)
         self.minimum = int(run.options.min_workers or 1)
-        self.log = LOADERS.log_for(run)
+        self.log = LOADERS.log_for(run, batches=True)
 
     def _finding(self, rec: LoaderRecord) -> Finding:
         title = (

@@ -40,7 +40,7 @@ class PinMemoryCheck(Check):
 
     def __init__(self, run: "Run") -> None:
         super().__init__(run)
-        self.log = LOADERS.log_for(run)
+        self.log = LOADERS.log_for(run, batches=True)
         #: Device type -> optimizer steps of parameters on it.
         self.steps_on: dict[str, int] = {}
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from .. import core
 from ..core import FLAGS
 from ..frames import StackCache, caller, describe_frame, kind_of
-from ..stacks import TORCH, Frame, Stack
+from ..stacks import TORCH, USER, Frame, Stack
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -138,9 +138,8 @@ class HostRegistry:
         #: id(tensor) -> weak reference, for the births that are host tensors now (not moved): the hot
         #: paths' one-lookup answer to "is this a host tensor?".
         self.host: dict[int, Any] = {}
-        #: The same for the host tensors built at a site of code outside torch (the ones a check may blame):
-        #: the operations of :mod:`._propagate` follow these only, so torch's own host tensors (an
-        #: optimizer's step counters) cost them nothing.
+        #: The same for the host tensors your code built: the operations of :mod:`._propagate` follow these
+        #: only, so torch's and Lightning's own host tensors (step counters, logging state) cost them nothing.
         self.traced: dict[int, Any] = {}
         #: Called once, when the first tensor is traced (the propagation wrappers are installed then).
         self.when_traced: Optional[Any] = None
@@ -187,7 +186,7 @@ class HostRegistry:
             self.traced.pop(key, None)
         else:
             self.host[key] = ref
-            if birth.site is not None:
+            if birth.site is not None and birth.caller_kind == USER:
                 if self.when_traced is not None:
                     install, self.when_traced = self.when_traced, None
                     install()

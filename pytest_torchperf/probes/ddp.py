@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
-from ..stacks import Stack, capture, until_user_frame
-from . import Probe, is_compiling_function
+from ..stacks import Stack
+from . import Probe, is_compiling_function, record_creation
 
 if TYPE_CHECKING:
     from ..patching import Patcher
@@ -69,7 +69,7 @@ class DDPProbe(Probe):
         import torch
 
         self.reset()
-        patcher.callback(self.reset)
+        patcher.callback(self.reset, deferred=True)
         distributed = getattr(torch, "distributed", None)
         if distributed is None or not distributed.is_available():
             self.unavailable["ddp"] = "this torch is built without torch.distributed"
@@ -77,28 +77,14 @@ class DDPProbe(Probe):
         from torch.nn.parallel import DistributedDataParallel
 
         flags = FLAGS
-        probe = self
         is_compiling = is_compiling_function()
         notify = core.notify
-
-        def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
-            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-                __tracebackhide__ = True
-                original(self, *args, **kwargs)
-                if flags.active:
-                    try:
-                        probe.created[self] = until_user_frame(capture(2))
-                    except Exception as exc:  # noqa: BLE001 - never into the user's code
-                        probe.failed(exc)
-
-            return __init__
 
         def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(original)
             def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
-                if flags.active and not is_compiling():
+                if not is_compiling() and flags.active:
                     notify("on_ddp_forward", self)
                 return original(self, *args, **kwargs)
 
@@ -108,13 +94,13 @@ class DDPProbe(Probe):
             @functools.wraps(original)
             def prepare_for_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
-                if flags.active and not is_compiling():
+                if not is_compiling() and flags.active:
                     notify("on_ddp_armed", self)
                 return original(self, *args, **kwargs)
 
             return prepare_for_backward
 
-        patcher.wrap(DistributedDataParallel, "__init__", wrap_init)
+        patcher.wrap(DistributedDataParallel, "__init__", record_creation(self, self.created, lambda: flags.active))
         patcher.wrap(DistributedDataParallel, "forward", wrap_forward)
         reducer = getattr(getattr(torch._C, "_distributed_c10d", None), "Reducer", None)
         if reducer is not None and callable(vars(reducer).get("prepare_for_backward")):

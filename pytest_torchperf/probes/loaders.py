@@ -105,6 +105,8 @@ class LoaderLog:
     def __init__(self, run: "Run") -> None:
         self.run = run
         self.records: dict[int, LoaderRecord] = {}
+        #: Some check reads what the batches say (which loaders feed training steps, the batches' device).
+        self.batches = False
 
     def record(self, loader: Any) -> LoaderRecord:
         rec = self.records.get(id(loader))
@@ -186,17 +188,26 @@ class LoadersProbe(Probe):
         self.loader_of: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
         #: Run -> its log, for the runs whose checks asked for one.
         self.logs: "weakref.WeakKeyDictionary[Run, LoaderLog]" = weakref.WeakKeyDictionary()
+        #: Some log reads the batches (see :meth:`log_for`).
+        self.batching = False
 
     def reset(self) -> None:
         super().reset()
         self.created.clear()
         self.loader_of.clear()
+        self.batching = any(log.batches for log in self.logs.values())
 
-    def log_for(self, run: "Run") -> LoaderLog:
-        """The run's log, created on first request (checks ask in their ``__init__``)."""
+    def log_for(self, run: "Run", batches: bool = False) -> LoaderLog:
+        """The run's log, created on first request (checks ask in their ``__init__``).
+
+        ``batches``: the check reads what each batch says (the loaders feeding training steps); only
+        then does every batch pay for a look at the log.
+        """
         log = self.logs.get(run)
         if log is None:
             log = self.logs[run] = LoaderLog(run)
+        if batches:
+            log.batches = self.batching = True
         return log
 
     def active_logs(self) -> list[LoaderLog]:
@@ -248,7 +259,7 @@ class LoadersProbe(Probe):
             @functools.wraps(original)
             def __next__(self: Any) -> Any:
                 __tracebackhide__ = True
-                if not (flags.active and probe.logs):
+                if not (flags.active and probe.batching):
                     return original(self)
                 try:
                     batch = original(self)
@@ -270,7 +281,8 @@ class LoadersProbe(Probe):
             loader = self.loader_of.get(iterator)
             if loader is not None:
                 for log in self.active_logs():
-                    log.on_batch(loader, batch, done=done)
+                    if log.batches:
+                        log.on_batch(loader, batch, done=done)
         except Exception as exc:  # noqa: BLE001
             self.failed(exc)
 
