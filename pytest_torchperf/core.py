@@ -42,6 +42,18 @@ EVENTS: dict[str, str] = {
     "on_sync": "(event): an operation that synchronises the host with the device, inside the scope",
     "on_move": "(event): a host-built tensor (or, on an accelerator, any host tensor) moved to a device",
     "on_backward_sample": "(roots): a sampled backward pass is about to run from these graph nodes (probe graphs)",
+    "on_dataloader_pass": "(loader): a pass (an epoch) over a DataLoader begins (probe iterators)",
+    "on_worker_pool": "(kind, loader, stack, how): a worker pool started, an iterator dropped, a pool shut down",
+    "on_empty_cache": "(stack): torch.cuda.empty_cache() was called (probe cuda_cache)",
+    "on_autocast": "(device, dtype): an enabled torch.autocast region was entered (probe autocast)",
+    "on_zero_grad": "(owner, stack): zero_grad(set_to_none=False) was called (probe grads)",
+    "on_grad_zeroed": "(shape, stack): a parameter's gradient was zeroed in place (probe grads)",
+    "on_compile": "(): torch.compile started compiling a frame (probe recompiles)",
+    "on_recompile": "(code, reasons, stack): dynamo recompiled a function, with the guards that failed",
+    "on_recompile_limit": "(name): dynamo hit its recompile limit (the name of the limit)",
+    "on_data_parallel_forward": "(module, stack): a torch.nn.DataParallel forward pass (stack: a callable)",
+    "on_ddp_forward": "(ddp): a DistributedDataParallel forward pass (probe ddp)",
+    "on_ddp_armed": "(reducer): DDP's reducer was prepared for a backward: one all-reduce round armed",
     "on_run_end": "(): the run stops, its probes still installed (read probe state here, not in result())",
 }
 
