@@ -311,17 +311,42 @@ def test_not_checked_without_a_step_a_backward_pass_or_an_optimizer_step() -> No
     no_backward = check_of(forward_only)
     assert no_backward.status == NOT_CHECKED and no_backward.summary == "no backward pass in the 3 steps seen"
 
-    def no_optimizer(run: Any) -> None:
-        kept = []
-        for _ in range(3):
+    def one_backward(run: Any) -> None:
+        for step in range(3):
             with run.step():
                 loss = model(torch.randn(2, 4)).sum()
-                kept.append(loss)
-                loss.backward()
+                if step == 0:
+                    loss.backward()
 
-    check = check_of(no_optimizer)
+    check = check_of(one_backward)
     assert check.status == NOT_CHECKED
-    assert check.summary.startswith("no optimizer step in the run")
+    assert check.summary.startswith("no optimizer step and no second backward pass in the run")
+
+
+@pytest.mark.parametrize("keep, status", [(True, FAILED), (False, PASSED)])
+def test_a_loop_that_updates_the_parameters_by_hand_is_judged_at_the_next_backward_pass(
+    keep: bool, status: str
+) -> None:
+    """pytorch/examples' word_language_model updates its parameters by hand (no optimizer): a step's graph is
+    judged once the next step's backward pass has run."""
+    model = torch.nn.Linear(4, 1)
+
+    def by_hand(run: Any) -> None:
+        kept = []
+        for _ in range(6):
+            with run.step():
+                model.zero_grad()
+                loss = model(torch.randn(2, 4)).sum()
+                loss.backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(p.grad, alpha=-0.1)
+                kept.append(loss if keep else loss.item())
+
+    check = check_of(by_hand)
+    assert check.status == status, check.summary
+    if keep:
+        assert "after a later backward pass had run" in "\n".join(check.findings[0].facts)
 
 
 def test_the_watch_leaves_torch_as_it_found_it(loops: tuple[Any, dict[str, int]]) -> None:

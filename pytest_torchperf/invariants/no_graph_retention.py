@@ -22,7 +22,8 @@ How it is seen (:mod:`pytest_torchperf.invariants._graphs`):
    that step is.
 3. **Judging, every step.** When a step starts (a Lightning ``training_step``,
    a ``run.step()`` block), the sentinels of the steps before the previous one
-   (whose optimizer step has run) must be gone; after each Lightning fit and
+   (whose optimizer step has run; in a run where no optimizer steps, whose next
+   backward pass has run) must be gone; after each Lightning fit and
    at the end of the run, those of every step but the last. The previous step
    is not judged yet: a plain loop's locals (``loss``, ``out``) hold it until
    this step rebinds them, and Lightning holds a step's loss and outputs until
@@ -93,6 +94,9 @@ class _Tagged:
     ref: "weakref.ref[_Sentinel]"
     #: Optimizer steps seen when the step was tagged: it is judged once one more has run.
     optimizer_steps: int
+    #: Backward passes seen when the step was tagged (its own included): in a run without an optimizer
+    #: (parameters updated by hand, pytorch/examples' word_language_model), it is judged once one more has run.
+    backward_calls: int = 0
 
 
 @dataclass
@@ -229,7 +233,7 @@ class GraphRetentionCheck(Check):
         sentinel = last.ref() if last is not None and last.step == step else None
         if sentinel is None:
             sentinel = _Sentinel()
-            self.pending.append(_Tagged(step, weakref.ref(sentinel), GRAPHS.optimizer_steps))
+            self.pending.append(_Tagged(step, weakref.ref(sentinel), GRAPHS.optimizer_steps, GRAPHS.calls))
             GRAPHS.await_optimizer_step()
             self.tagged_steps += 1
             if len(self.pending) > MAX_PENDING:
@@ -260,8 +264,9 @@ class GraphRetentionCheck(Check):
         """
         alive = []
         optimizer_steps = GRAPHS.optimizer_steps
+        by_hand = not optimizer_steps and not GRAPHS.optimizers  # no optimizer has stepped in the run
         for tagged in self.pending:
-            stepped = optimizer_steps > tagged.optimizer_steps
+            stepped = optimizer_steps > tagged.optimizer_steps or by_hand and GRAPHS.calls > tagged.backward_calls
             if tagged.ref() is None:
                 if stepped:
                     self.judged.add(tagged.step)
@@ -379,7 +384,8 @@ class GraphRetentionCheck(Check):
                 return CheckResult(
                     NAME,
                     NOT_CHECKED,
-                    "no optimizer step in the run: a step's graph is judged once its optimizer step has run",
+                    "no optimizer step and no second backward pass in the run: a step's graph is judged once "
+                    "its optimizer step (without an optimizer, the next backward pass) has run",
                     0,
                     [],
                     figures,
@@ -407,9 +413,10 @@ class GraphRetentionCheck(Check):
     def _findings(self) -> list[Finding]:
         assert self.first_seen is not None
         tagged, seen = self.first_seen
+        after = "its optimizer step had run" if GRAPHS.optimizer_steps else "a later backward pass had run"
         first_fact = (
             f"first seen after step {seen} ended: the graph built in step {tagged} was still alive after "
-            f"its optimizer step had run and step {tagged + 1} had ended"
+            f"{after} and step {tagged + 1} had ended"
         )
         diagnosis = self.diagnosis
         if diagnosis is None or not diagnosis.groups:
