@@ -265,7 +265,7 @@ def test_annotations_point_at_your_line_under_xdist_from_the_controller_only(
         "error file=test_loaders.py,line=5,title=torchperf no_iterator_reset",
         "error file=test_loaders_too.py,line=5,title=torchperf no_iterator_reset",
     ], lines
-    assert "started a new worker pool in each of its 3 epochs" in lines[0]
+    assert "started a new worker pool in each of its 3 passes over it" in lines[0]
     assert result.stdout.str().count("::error ") == 2  # not once more per worker
 
 

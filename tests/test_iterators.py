@@ -117,7 +117,7 @@ def test_non_persistent_loader_over_several_epochs_fails_with_a_hint(user_models
         [
             "*no_iterator_reset (3 extra worker pools in 1 loader)*",
             "DataLoader(dataset=RandomDataset, num_workers=2, persistent_workers=False) (first iterated at "
-            "test_np.py:7) started a new worker pool in each of its 4 epochs",
+            "test_np.py:7) started a new worker pool in each of its 4 passes over it",
             "*worker pool rebuilt (3x) at test_np.py:7 in test_loop*",
             "*hint: pass persistent_workers=True to this DataLoader*",
         ]

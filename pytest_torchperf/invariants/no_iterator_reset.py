@@ -209,9 +209,11 @@ class IteratorResetCheck(Check):
         else:
             epochs = [p for p in pools if not p.sanity]
             sanity = " (and the sanity check)" if len(epochs) < len(pools) else ""
+            # Lightning's stages are epochs; outside Lightning each `iter(loader)` is a pass, whatever the loop
+            unit = "passes over it" if all(p.label.startswith("pass ") for p in epochs) else "epochs"
             title = (
                 f"{rec.description} started a new worker pool in each of its "
-                f"{len(epochs)} epochs{sanity}"
+                f"{len(epochs)} {unit}{sanity}"
             )
         facts = [f"worker pools started in: {where}"]
         sites: list[Site] = []
