@@ -400,6 +400,11 @@ def format_stack(
         entries = [f for f in stack if f.kind != TORCHPERF]
     else:
         kept = [f for f in stack if _keep(f)] or list(stack[-1:])
+        if kept and kept[-1] is not stack[-1]:
+            # the event happened inside torch's own Python code (a module's forward checking a mask): its
+            # innermost torch frames show what did it
+            last = max(i for i, f in enumerate(stack) if f is kept[-1])
+            kept += [f for f in stack[last + 1:] if f.kind == TORCH]
         entries = _trim(kept, tail)
     lines = []
     for entry in entries:

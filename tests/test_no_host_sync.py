@@ -312,6 +312,52 @@ def test_a_sync_inside_a_torch_function_is_the_callers(tmp_path: Path) -> None:
     assert "inside `clip_grad_norm_`" in report["no_host_sync"].findings[0].title
 
 
+TORCH_SITES = """
+import torch
+
+def train(watch, model, batches, **call):
+    layer = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1,
+                                        enable_nested_tensor=False)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(4)
+    with watch() as run:
+        for x, y in batches:
+            with run.step():
+                if call:
+                    out = layer(x.view(1, 4, 8), mask=mask, **call)  # HERE
+                else:
+                    # validation on (the default, until torch.compile's first use turns it off process-wide)
+                    out = torch.distributions.Normal(model(x), 1.0, validate_args=True).log_prob(y)  # HERE
+                out.sum().backward()
+    return run
+"""
+
+
+@pytest.mark.parametrize(
+    "call, where, hint",
+    [
+        ({"is_causal": None}, "transformer.py:", "pass `is_causal=True` with a causal mask"),
+        ({}, "distribution.py:", "validate_args=False"),
+    ],
+)
+def test_a_sync_torchs_own_code_makes_shows_its_torch_line_and_the_argument_that_avoids_it(
+    tmp_path: Path, call: dict[str, Any], where: str, hint: str
+) -> None:
+    """torch's Transformer layers check a mask given without ``is_causal`` on the host, and torch.distributions
+    validates on the host: the user's line is the site, torch's line is in the stack, the hint names the fix."""
+    module, _ = write_module(tmp_path, "torch_sites", TORCH_SITES)
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(3), **call)
+    check = report["no_host_sync"]
+    assert check.status == "failed", "\n".join(check.render(True))
+    finding = check.findings[0]
+    assert hint in finding.hint, finding.hint
+    text = "\n".join(check.render(False))
+    assert where in text and "> " in text, text  # torch's own frame, shown without -v, beside the user's
+    # the fix passes
+    if call:
+        passed = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(3), is_causal=True)
+        assert passed["no_host_sync"].status == "passed", passed["no_host_sync"].render(False)
+
+
 def test_a_torch_warning_inside_a_wrapper_points_at_the_users_line(tmp_path: Path) -> None:
     """``torch.tensor(a_tensor)`` warns from C code inside the factory's wrapper: the warning names the user's line."""
     module, lineno = write_module(

@@ -69,7 +69,8 @@ def test_a_sync_every_10th_step_is_a_note_with_its_rate(tmp_path: Path) -> None:
     assert found["cadence"] == "periodic" and found["rate"] == 0.1
     (finding,) = check.findings
     assert finding.title == "note: `.item()` in train: periodic: 4 of 40 steps"
-    assert "after its first step, it synced in at most 0.1 of the steps (max_sync_rate=0.1) (rate 0.10)" in finding.facts[1]
+    assert ("after its first step in each epoch, it synced in at most 0.1 of the steps (max_sync_rate=0.1) (rate 0.10)"
+            in finding.facts[1])
     assert not finding.hint
     assert check.figures["periodic_syncs"] == 4 and check.figures["syncs"] == 0
 
@@ -90,7 +91,9 @@ def test_a_sync_in_a_large_share_of_the_steps_fails(tmp_path: Path, condition: s
     found = event(report)
     assert found["cadence"] is None and found["rate"] == rate
     facts = "\n".join(check.findings[0].facts)
-    assert f"(rate {rate:.2f}): more often than max_sync_rate=0.1 allows for a periodic sync" in facts
+    beyond = (round(rate * steps) - 1) / steps  # no DataLoader here: one epoch, its first sync free
+    measured = f"rate {rate:.2f}" + (f"; {beyond:.2f} after its first step in each epoch" if rate < 1 else "")
+    assert f"({measured}): more often than max_sync_rate=0.1 allows for a periodic sync" in facts
     assert check.findings[0].hint
 
 
@@ -148,6 +151,55 @@ def test_a_sync_once_per_epoch_is_a_note(tmp_path: Path) -> None:
     assert check.status == "passed", check.render(False)
     assert event(report)["cadence"] == "once per epoch"
     assert check.findings[0].title == "note: `.item()` in train: once per epoch: 3 of 12 steps"
+
+
+EPOCHS = """
+import torch
+
+def train(watch, model, loader, epochs, every):
+    with watch() as run:
+        for epoch in range(epochs):
+            for batch_idx, (x, y) in enumerate(loader):
+                with run.step():
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    if batch_idx % every == 0:
+                        v = loss.item()  # HERE
+    return run
+"""
+
+
+@pytest.mark.parametrize(
+    "batches_per_epoch, epochs, every, status, detail",
+    [
+        # pytorch/examples' MNIST logs `if batch_idx % log_interval == 0` (10): the count restarts every epoch, so
+        # 15 batches an epoch sync at batches 0 and 10 (2 of 15, 0.13), the first of each epoch free: 3 of 45
+        (15, 3, 10, "passed", "periodic: 6 of 45 steps"),
+        (25, 2, 10, "passed", "periodic: 6 of 50 steps"),
+        # every 5th batch is twice as often: 3 of 15 an epoch, 2 of them beyond the free one (0.13 > 0.1)
+        (15, 3, 5, "failed", "(rate 0.20; 0.13 after its first step in each epoch)"),
+        # every other batch: 0.53, 0.47 beyond the free ones
+        (15, 3, 2, "failed", "(rate 0.53; 0.47 after its first step in each epoch)"),
+    ],
+)
+def test_a_period_that_restarts_every_epoch_gets_its_first_sync_of_each_epoch_free(
+    tmp_path: Path, batches_per_epoch: int, epochs: int, every: int, status: str, detail: str
+) -> None:
+    module, _ = write_module(tmp_path, f"epochs_{batches_per_epoch}_{epochs}_{every}", EPOCHS)
+    loader = DataLoader(TensorDataset(torch.randn(batches_per_epoch, 8), torch.randn(batches_per_epoch, 1)), batch_size=1)
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), loader, epochs, every)
+    check = report["no_host_sync"]
+    assert check.status == status, check.render(False)
+    text = check.findings[0].title + "\n" + "\n".join(check.findings[0].facts)
+    assert detail in text, text
+
+
+def test_a_rate_that_rounds_to_the_limit_is_shown_with_the_digits_that_tell_them_apart() -> None:
+    from pytest_torchperf.invariants._steps import rate_text
+
+    assert rate_text(564 / 5628) == "0.10"
+    assert rate_text(564 / 5628, 0.1) == "0.1002"
+    assert rate_text(0.1, 0.1) == "0.10"
+    assert rate_text(0.47, 0.1) == "0.47"
 
 
 def test_per_step_syncs_in_short_epochs_still_fail(tmp_path: Path) -> None:

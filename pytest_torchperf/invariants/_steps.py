@@ -6,9 +6,11 @@ outside steps (``outside``) and per epoch (a pass over a DataLoader, see
 from one that repeats on a period, like real projects keep their logging:
 
 - ``every step`` (or nearly): fails;
-- ``periodic``: after its first step, the site was seen in at most
-  ``limit`` of the observed steps (``limit=0.1``: every 10th step or rarer;
-  ``if step % 10 == 0:`` is seen at step 0, so the first one is free);
+- ``periodic``: after its first step in each epoch, the site was seen in at
+  most ``limit`` of the observed steps (``limit=0.1``: every 10th step or
+  rarer; ``if batch_idx % 10 == 0:`` is seen at the first batch of every
+  epoch, so that one is free: with 15 batches an epoch it syncs in 2 of
+  each 15 steps, 1 of them free);
 - ``once per epoch``: at most once in each pass over the training data
   (steps with an event, and events outside steps, counted per epoch), and
   not in every step;
@@ -41,7 +43,9 @@ __all__ = [
     "extent",
     "frequency",
     "over_budget",
+    "periodic_rate",
     "rate",
+    "rate_text",
     "step_verdict",
 ]
 
@@ -97,6 +101,25 @@ def rate(item: PerStep, total: int) -> Optional[float]:
     return round(steps / total, 4) if total else None
 
 
+def periodic_rate(item: PerStep, total: int) -> Optional[float]:
+    """The share of the observed steps in which ``item`` happened after its first step in each epoch: what
+    :func:`cadence` holds against the limit (None when no step was observed)."""
+    steps = len(item.per_unit)
+    total = max(total, steps)
+    if not total:
+        return None
+    first = sum(1 for n in item.steps_per_epoch.values() if n) or (1 if steps else 0)
+    return (steps - first) / total
+
+
+def rate_text(share: float, limit: Optional[float] = None) -> str:
+    """``0.47``; with more digits where two would read as the limit itself (``0.1002`` against 0.1)."""
+    text = f"{share:.2f}"
+    if limit is not None and share != limit and text == f"{limit:.2f}":
+        text = f"{share:.4f}".rstrip("0")
+    return text
+
+
 def cadence(item: PerStep, total: int, limit: Optional[float]) -> Optional[str]:
     """:data:`PERIODIC`, :data:`PER_EPOCH` or :data:`ONCE` for a site that repeats rarely; None otherwise.
 
@@ -115,7 +138,8 @@ def cadence(item: PerStep, total: int, limit: Optional[float]) -> Optional[str]:
     if per_epoch and max(per_epoch.values()) <= 1:
         return ONCE if len(per_epoch) == 1 else PER_EPOCH
     outside_ok = max(item.outside_per_epoch.values(), default=0) <= 1
-    if steps and outside_ok and steps - 1 <= limit * total:
+    share = periodic_rate(item, total)
+    if steps and outside_ok and share is not None and share * total <= limit * total + 1e-9:
         return PERIODIC
     return None
 

@@ -148,7 +148,7 @@ INVARIANT = Invariant(
             Fraction(),
             DEFAULT_RATE,
             "no_empty_cache notes, without failing, a call of your code made periodically: after its first "
-            "step, in at most this share of the steps, at most once per epoch, or once; 0 fails on every call",
+            "step in each epoch, in at most this share of the steps, at most once per epoch, or once; 0 fails on every call",
             meaning="the largest share of the steps a periodic empty_cache() call may take",
         ),
     ),

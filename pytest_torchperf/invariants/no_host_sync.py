@@ -17,6 +17,7 @@ epoch, once) is a note with its rate, as are library syncs (unless
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Optional
 
 from .. import lightning
@@ -27,9 +28,11 @@ from ..frames import Located, describe_frame, owner_label, stack_of
 from ..probes.syncs import PROBE, WOULD, Op, Sync
 from ..registry import Invariant
 from ..report import CheckResult, Finding, Site
-from ..stacks import USER, Frame, Stack, classify
+from ..stacks import TORCH, TORCHPERF, USER, Frame, Stack, classify
 from ..text import plural
-from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, extent, frequency, rate, step_verdict
+from ._steps import (
+    DEFAULT_RATE, PerStep, cadence, cadence_text, extent, frequency, periodic_rate, rate, rate_text, step_verdict,
+)
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -82,6 +85,46 @@ _HINTS = {
         "copy, a data-dependent shape, a read of a device value)"
     ),
 }
+
+#: Syncs torch's own Python code makes for the caller, and what the caller can pass to avoid them:
+#: ``(file under torch/, function) -> hint``, matched on the stack's torch frames.
+_TORCH_SITES = {
+    ("nn/modules/transformer.py", "_detect_is_causal_mask"): (
+        "torch's TransformerEncoder/TransformerDecoder compare a mask given without `is_causal` with a causal "
+        "mask on the host in every call (`bool((mask == causal).all())`): pass `is_causal=True` with a causal "
+        "mask (`tgt_is_causal=True` to TransformerDecoder, `src_is_causal`/`tgt_is_causal` to nn.Transformer), "
+        "`is_causal=False` with any other, and the check is skipped"
+    ),
+    ("distributions/distribution.py", "__init__"): (
+        "torch.distributions checks the parameters on the host when a distribution is built (`validate_args`): "
+        "build it with `validate_args=False` in the step, or call "
+        "`torch.distributions.Distribution.set_default_validate_args(False)` once (it is on by default)"
+    ),
+    ("distributions/distribution.py", "_validate_sample"): (
+        "torch.distributions checks each value given to `log_prob` on the host (`validate_args`): build the "
+        "distribution with `validate_args=False` in the step, or call "
+        "`torch.distributions.Distribution.set_default_validate_args(False)` once (it is on by default)"
+    ),
+}
+
+
+def _torch_site_hint(stack: Stack) -> Optional[str]:
+    """The hint for a sync torch's own code makes for its caller (:data:`_TORCH_SITES`), if the stack shows one."""
+    for frame in reversed(stack):
+        if frame.kind != TORCH:
+            if frame.kind != TORCHPERF:
+                return None  # only the torch frames inside the site's own line
+            continue
+        path = frame.filename.replace("\\", "/")
+        for (suffix, function), hint in _TORCH_SITES.items():
+            if frame.function == function and path.endswith("torch/" + suffix):
+                return hint
+    return None
+
+
+#: Operations whose value Python may really need every step (a reinforcement-learning environment takes an
+#: int action): their hint also says how to accept the site.
+_HOST_NEEDS = frozenset(("value", "host", "branch"))
 
 #: Inside a Lightning call, the Lightning way to get a value out without waiting.
 _LIGHTNING_HINTS = {
@@ -190,9 +233,17 @@ class HostSyncCheck(Check):
 
     # -- verdict -----------------------------------------------------------------------
     def _hint(self, site: _SyncSite) -> str:
+        torch_site = _torch_site_hint(site.stack)
+        if torch_site is not None:
+            return torch_site
         key = site.op.hint
         text = _LIGHTNING_HINTS.get(key, _HINTS[key]) if site.in_lightning else _HINTS[key]
-        return text.format(rate=f"{self.limit:g}")
+        text = text.format(rate=f"{self.limit:g}")
+        if key in _HOST_NEEDS:
+            where = f"{os.path.basename(site.frame.filename)}:{site.frame.lineno}"
+            text += (f". If Python needs the value every step (an environment's step, a decision only the host "
+                     f"can make), accept the site: allowed_syncs=[{where!r}]")
+        return text
 
     def _finding(self, site: _SyncSite, note: str) -> Finding:
         total = self.run.units
@@ -215,9 +266,13 @@ class HostSyncCheck(Check):
             facts.append(self._cadence_fact(site, total, unit))
         elif not site.allowed_by and total and self.limit and (site.is_user or self.strict):
             share = rate(site, total)
-            if share is not None and site.per_unit:
+            beyond = periodic_rate(site, total)
+            if share is not None and beyond is not None and site.per_unit:
+                measured = f"rate {rate_text(share)}"
+                if len(site.per_unit) < total:  # a site in every step has no period to tell
+                    measured += f"; {rate_text(beyond, self.limit)} after its first {unit} in each epoch"
                 facts.append(
-                    f"synced in {len(site.per_unit)} of {plural(total, unit)} (rate {share:.2f}): more often than "
+                    f"synced in {len(site.per_unit)} of {plural(total, unit)} ({measured}): more often than "
                     f"max_sync_rate={self.limit:g} allows for a periodic sync"
                 )
         if site.allowed_by:
@@ -240,7 +295,7 @@ class HostSyncCheck(Check):
     def _cadence_fact(self, site: _SyncSite, total: int, unit: str) -> str:
         share = rate(site, total)
         what = {
-            "periodic": f"periodic: after its first {unit}, it synced in at most "
+            "periodic": f"periodic: after its first {unit} in each epoch, it synced in at most "
                         f"{self.limit:g} of the {unit}s (max_sync_rate={self.limit:g})",
             "once per epoch": "at most once per epoch (pass over a DataLoader), and not in every "
                               f"{unit}",
@@ -342,8 +397,8 @@ INVARIANT = Invariant(
             "max_sync_rate",
             Fraction(),
             DEFAULT_RATE,
-            "no_host_sync notes, without failing, a site that syncs periodically: after its first step, in "
-            "at most this share of the steps (0.1: every 10th step or rarer), or at most once per epoch; "
+            "no_host_sync notes, without failing, a site that syncs periodically: after its first step in each "
+            "epoch, in at most this share of the steps (0.1: every 10th step or rarer), or at most once per epoch; "
             "0 fails on every sync (ini: torchperf_max_sync_rate)",
             meaning="the largest share of the steps a periodic sync may take",
         ),

@@ -381,8 +381,8 @@ INVARIANT = Invariant(
             "max_copy_rate",
             Fraction(),
             DEFAULT_RATE,
-            "on_device notes, without failing, a copy made periodically: after its first step, in at most this "
-            "share of the steps, at most once per epoch, or once (a tensor built lazily in the first step and "
+            "on_device notes, without failing, a copy made periodically: after its first step in each epoch, in "
+            "at most this share of the steps, at most once per epoch, or once (a tensor built lazily in the first step and "
             "kept); 0 fails on every copy",
             meaning="the largest share of the steps a periodic copy may take",
         ),
