@@ -81,6 +81,100 @@ def test_a_mask_built_from_a_host_factory_and_moved_every_step_is_caught(tmp_pat
     assert check.findings[0].title.startswith("torch.ones(...).triu().masked_fill() built on the host")
 
 
+def test_a_helper_called_once_at_one_line_and_every_step_at_another_shows_each_callers_stack(tmp_path: Path) -> None:
+    """Lightning's transformer demo builds its mask with one helper, once for a cached mask and every step for
+    another: the per-step copy's creation stack goes through the per-step line, not the first call's."""
+    module, lineno = write_module(
+        tmp_path,
+        "two_callers",
+        """
+        import torch
+
+        def causal_mask(n):
+            return torch.ones(n, n).triu(1)
+
+        def train(watch, model, batches):
+            cached = None
+            with watch() as run:
+                for x, y in batches:
+                    with run.step():
+                        out = model(x)
+                        if cached is None:
+                            cached = causal_mask(4).to(out.device)  # ONCE
+                        m = causal_mask(4).to(out.device)  # HERE
+            return run
+        """,
+    )
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(4))
+    check = report["on_device"]
+    assert check.status == "failed", check.summary
+    (failing,) = [f for f in check.findings if not f.title.startswith("note:")]
+    created = failing.sites[0]
+    text = "\n".join(f"{frame.function}:{frame.lineno}" for frame in created.stack)
+    assert f"train:{lineno}" in text and f"train:{lineno - 2}" not in text, text
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # nanoGPT's get_batch: `ix = torch.randint(...)`, then `data[i:i + block_size] for i in ix`
+        "ix = torch.randint(90, (4,)); rows = [data[i:i + 8] for i in ix]",
+        "ix = torch.randint(90, (4,)); rows = [data[int(i + 8)] for i in ix]",
+        "ix = torch.randint(90, (4,)); rows = [data[-ix[k] - 1] for k in range(4)]",
+    ],
+)
+def test_arithmetic_on_an_element_of_a_host_tensor_stays_on_the_host(tmp_path: Path, line: str) -> None:
+    """The elements of a host tensor (iteration, indexing) are views of it; numbers added to them are host
+    values too, so reading them is no sync."""
+    report, _ = run_line(tmp_path, f"elements_{abs(hash(line)) % 10000}", "import numpy; data = numpy.arange(100); " + line)
+    check = report["no_host_sync"]
+    assert check.status == "passed" and not check.findings, check.render(False)
+    assert check.figures["host_tensor_reads"] >= 3 * 4  # 4 elements a step, 3 steps
+
+
+def test_a_batch_built_from_new_numpy_arrays_each_step_is_input_data_and_a_constant_array_is_not(
+    tmp_path: Path,
+) -> None:
+    """nanoGPT's get_batch: `torch.stack([torch.from_numpy(data[i:i + n].astype(np.int64)) for i in ix])` moved
+    every step is its input pipeline (a note); the same array converted and moved every step is a constant."""
+    module, _ = write_module(
+        tmp_path,
+        "numpy_inputs",
+        """
+        import numpy as np
+        import torch
+
+        DATA = np.arange(200, dtype=np.uint16)
+        WEIGHTS = np.ones((4, 1))
+
+        def train(watch, model, batches, constant):
+            dev = "cpu" if not torch.cuda.is_available() else "cuda"
+            with watch() as run:
+                for x, y in batches:
+                    with run.step():
+                        if constant:
+                            w = torch.from_numpy(WEIGHTS).float().to(dev)
+                        else:
+                            ix = torch.randint(len(DATA) - 8, (4,))
+                            w = torch.stack([torch.from_numpy(DATA[i:i + 8].astype(np.int64)) for i in ix]).to(dev)
+                        out = model(x)  # HERE
+            return run
+        """,
+    )
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(4), False)
+    check = report["on_device"]
+    assert check.status == "passed", check.render(False)
+    assert check.summary.endswith("4 copies of input data built from numpy arrays (noted)"), check.summary
+    (event,) = check.figures["events"]
+    assert event["input_data"] is True
+    assert "input data (a batch built by hand)" in "\n".join(check.findings[0].facts)
+    assert not check.findings[0].hint
+
+    constant = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(4), True)["on_device"]
+    assert constant.status == "failed", constant.summary
+    assert "build it once before the loop" in constant.findings[0].hint
+
+
 @pytest.mark.parametrize(
     "line, path",
     [
@@ -140,6 +234,11 @@ def test_batches_collated_from_host_tensors_are_not_host_built(tmp_path: Path) -
          "`torch.empty(3, device=out.device)`"),
         ("t = torch.LongTensor(2).random_(5); t = t.to(dev)", "torch.LongTensor",
          "device=dev"),
+        # imported by name (lightning-bolts' SimCLR loss: ``from torch import Tensor``) or through an alias
+        ("from torch import Tensor; t = Tensor(out.shape).fill_(0.5).to(out.device)", "torch.Tensor",
+         "`torch.full(out.shape, 0.5, device=out.device)`"),
+        ("import torch as th; t = th.FloatTensor(3).zero_().type_as(out)", "torch.FloatTensor",
+         "`torch.empty(3, device=out.device)`"),
     ],
 )
 def test_legacy_constructors_are_caught_from_the_source(tmp_path: Path, line: str, factory: str, spelled: str) -> None:
@@ -152,6 +251,20 @@ def test_legacy_constructors_are_caught_from_the_source(tmp_path: Path, line: st
     assert event["created_at"].endswith(f"legacy.py:{lineno}")
     assert spelled in event["hint"], event["hint"]
     assert "is a legacy constructor: it always builds on the host" in "\n".join(check.findings[0].facts)
+
+
+def test_a_name_spelled_like_a_legacy_constructor_is_read_as_what_it_is(tmp_path: Path) -> None:
+    """The source only shows the spelling: a ``Tensor`` or ``th.FloatTensor`` that is not torch's is no legacy
+    constructor (here both build on the device)."""
+    lines = (
+        "Tensor = lambda *shape: torch.empty(*shape, device=dev); t = Tensor(4, 1).fill_(0.5).to(out.device)",
+        "th = type('th', (), {'FloatTensor': staticmethod(lambda n: torch.empty(n, device=dev))}); "
+        "t = th.FloatTensor(3).zero_().type_as(out)",
+    )
+    for i, line in enumerate(lines):
+        report, _ = run_line(tmp_path, f"not_legacy_{i}", line)
+        assert report["on_device"].status == "passed", report["on_device"].render(False)
+        assert not user_events(report)
 
 
 def test_a_legacy_tensor_built_on_an_earlier_line_is_found_there(tmp_path: Path) -> None:
@@ -186,6 +299,30 @@ def test_an_explicit_host_target_is_neither_a_copy_nor_a_sync(tmp_path: Path) ->
     assert report["on_device"].status == "passed", report["on_device"].render(False)
     assert report["no_host_sync"].status == "passed", report["no_host_sync"].render(False)
     assert report["no_host_sync"].figures["host_tensor_reads"] == 3
+
+
+@pytest.mark.parametrize(
+    "line, status",
+    [
+        # written out: a host target on purpose
+        ('t = torch.tensor(1.0).to("cpu")', "passed"),
+        ('t = torch.tensor(1.0, device="cpu:0")', "passed"),
+        # a variable that holds "cpu" on this machine and the GPU on another (Lightning's DQN example:
+        # `device = "cpu" if not self.on_gpu else index`): the training device, a copy there
+        ('where = "cpu" if not torch.cuda.is_available() else 0; t = torch.tensor(1.0).to(where)', "failed"),
+        ('where = "cpu" if not torch.cuda.is_available() else 0\n                t = torch.tensor(1.0, device=where)',
+         "failed"),
+        # the move on a line inside a longer statement (the DQN example's `log = {"reward": ....to(device), ...}`)
+        ('where = "cpu" if not torch.cuda.is_available() else 0\n                log = {\n'
+         '                    "reward": torch.tensor(1.0).to(where),\n                }', "failed"),
+        ('log = {\n                    "reward": torch.tensor(1.0).to("cpu"),\n                }', "passed"),
+    ],
+)
+def test_cpu_written_out_is_a_host_target_and_a_variable_holding_it_is_the_device(
+    tmp_path: Path, line: str, status: str
+) -> None:
+    report, _ = run_line(tmp_path, f"cpu_{status}_{abs(hash(line)) % 10000}", line)
+    assert report["on_device"].status == status, report["on_device"].render(False)
 
 
 MODULE_CPU = """

@@ -280,6 +280,16 @@ def _spell_data(event: Move, in_lightning: bool) -> str:
     )
 
 
+def _is_count(arg: ast.expr, birth: Birth) -> bool:
+    """Whether the one argument of ``torch.Tensor(arg)`` is a length (``n``, ``8``), not a whole shape (``x.shape``,
+    ``*dims``, or a name for a shape of other than one dimension)."""
+    if isinstance(arg, ast.Constant):
+        return True
+    if isinstance(arg, ast.Starred) or isinstance(arg, ast.Attribute) and arg.attr == "shape":
+        return False
+    return len(birth.shape) == 1
+
+
 def _spell_legacy(event: Move, birth: Birth, device: str, in_lightning: bool) -> str:
     """``torch.Tensor(n).fill_(v)``, ``torch.FloatTensor(data)``: a legacy constructor builds on the host."""
     found = _factory_call(birth)
@@ -295,7 +305,10 @@ def _spell_legacy(event: Move, birth: Birth, device: str, in_lightning: bool) ->
     fills = _calls(ast.parse(text), ("fill_",)) if "fill_" in birth.path else []
     if shape_like and fills and fills[0].args:
         value = _segment(text, fills[0].args[0])
-        shape = f"({args_text})" if len(call.args) > 1 else f"({args_text},)"
+        if len(call.args) > 1:
+            shape = f"({args_text})"
+        else:
+            shape = f"({args_text},)" if _is_count(call.args[0], birth) else args_text
         return (f"the legacy constructor `{call_text}` builds on the host: create it on the device with "
                 f"`torch.full({shape}, {value}, device={device}{typed})`")
     if shape_like:

@@ -105,9 +105,19 @@ class _Copy(PerStep):
         self.real = event.real_copy
         #: PERIODIC / PER_EPOCH / ONCE, or None: set when the verdict is made.
         self.cadence: Optional[str] = None
+        #: The numpy array the first copied tensor was made from (a weak reference), and whether a later one
+        #: came from another array: input data built by hand each step (a batch), not a constant.
+        self._array: Any = None
+        self.fresh_input = False
 
     def record(self, event: Move, unit: Optional[int], built_in_step: bool, epoch: int = 0) -> None:
         self.add(unit, epoch)
+        array = event.birth.array if event.birth is not None else None
+        if array is not None:
+            if self._array is None:
+                self._array = array
+            elif self._array() is None or self._array() is not array():
+                self.fresh_input = True
         self.real = self.real or event.real_copy
         self.built_in_step = self.built_in_step or built_in_step
         tensor = event.tensor
@@ -159,6 +169,7 @@ class _Copy(PerStep):
             "frequency": frequency(self.per_unit, self.outside, total),
             "rate": rate(self, total),
             "cadence": self.cadence,
+            "input_data": self.fresh_input,
             "shape": list(self.shape),
             "dtype": self.dtype,
             "real_copy": self.real,
@@ -277,10 +288,17 @@ class DevicePlacementCheck(Check):
         else:
             facts.append("on this CPU-only run the move is a no-op; on a GPU it is a host-to-device copy each time")
         if copy.cadence is not None and copy.by_user and not copy.allowed_by:
-            what = {"periodic": f"after its first step, in at most {self.limit:g} of the steps",
+            what = {"periodic": f"after its first step in each epoch, in at most {self.limit:g} of the steps",
                     "once per epoch": "at most once per epoch", "once": "once in the run (like a tensor built lazily in the first step and kept)"}
             facts.append(f"copied {what[copy.cadence]}: a note, not a failure (max_copy_rate={self.limit:g}; "
                          "0 fails on it)")
+        if copy.fresh_input and copy.by_user and not copy.allowed_by and copy.cadence is None:
+            facts.append(
+                "made from a new numpy array at each move: input data (a batch built by hand), which every step "
+                "must copy, as it would a DataLoader's batch: a note, not a failure; on CUDA pin it "
+                "(`.pin_memory()`) and move it with `non_blocking=True`, or load it with "
+                "`DataLoader(..., pin_memory=True)`"
+            )
         if copy.allowed_by:
             facts.append(f"accepted by allowed_copies entry {copy.allowed_by!r}")
         elif not copy.by_user:
@@ -291,7 +309,7 @@ class DevicePlacementCheck(Check):
             )
         elif copy.creation is not None and classify.rule_matters(copy.creation.filename):
             facts.append(f"counted as your code: {classify.rule(copy.creation.filename)}")
-        hint = copy.hint if copy.by_user and not copy.allowed_by and copy.cadence is None else ""
+        hint = copy.hint if copy.by_user and not copy.allowed_by and copy.cadence is None and not copy.fresh_input else ""
         return Finding(title, facts, sites, hint)
 
     def result(self) -> CheckResult:
@@ -301,10 +319,11 @@ class DevicePlacementCheck(Check):
         copies = sorted((c for c in self._copies.values() if c.broken), key=lambda c: -c.count)
         for c in copies:
             c.cadence = cadence(c, total, self.limit) if c.by_user and not c.allowed_by else None
-        failing = [c for c in copies if c.by_user and not c.allowed_by and c.cadence is None]
+        failing = [c for c in copies if c.by_user and not c.allowed_by and c.cadence is None and not c.fresh_input]
         periodic = [c for c in copies if c.cadence is not None]
+        inputs = [c for c in copies if c.by_user and not c.allowed_by and c.cadence is None and c.fresh_input]
         framework = [c for c in copies if not c.by_user and not c.allowed_by]
-        noted = periodic + framework
+        noted = periodic + inputs + framework
         allowed = [c for c in copies if c.allowed_by]
         figures: dict[str, Any] = {
             "scope": run.scope,
@@ -312,6 +331,7 @@ class DevicePlacementCheck(Check):
             "host_built_copies": sum(c.count for c in failing),
             "sites": len(failing),
             "periodic_copies": sum(c.count for c in periodic),
+            "input_copies": sum(c.count for c in inputs),
             "max_copy_rate": self.limit,
             "framework_copies": sum(c.count for c in framework),
             "allowed_copies": sum(c.count for c in allowed),
@@ -320,6 +340,8 @@ class DevicePlacementCheck(Check):
         extras = []
         if periodic:
             extras.append(f"{figures['periodic_copies']} periodic in your code (noted)")
+        if inputs:
+            extras.append(f"{plural(figures['input_copies'], 'copy', 'copies')} of input data built from numpy arrays (noted)")
         if framework:
             owners = sorted({owner_label(c.creation or c.mover) for c in framework})
             extras.append(f"{figures['framework_copies']} in {', '.join(owners)} (noted)")

@@ -75,7 +75,7 @@ class Birth:
     caller_kind: str
     #: Where (the innermost frame outside torch), None for torch's own tensors.
     site: Optional[Frame]
-    #: The stack of the first birth at that site.
+    #: The stack of the first birth at that site from the same calling line.
     stack: Stack
     #: ``device="cpu"`` written out, or ``pin_memory=True``: placed on the host on purpose.
     explicit: bool
@@ -95,6 +95,9 @@ class Birth:
     #: For python data given to a device factory (``torch.tensor(v, device=dev)``): ``"scalar"``, ``"zeros"``,
     #: ``"ones"`` or ``"values"``; empty otherwise.
     data: str = ""
+    #: A weak reference to the numpy array the tensor was made from (``torch.from_numpy(a)``,
+    #: ``torch.as_tensor(a)``), None otherwise: a new array at every move is input data, the same one a constant.
+    array: Any = None
 
     def in_scope_of(self, run: "Run") -> bool:
         return any(r is run for r, _ in self.in_scope)
@@ -107,7 +110,7 @@ class Birth:
         path = self.path if self.path and self.path[-1] == step else self.path + (step,)
         return Birth(
             self.factory, self.caller_kind, self.site, self.stack, self.explicit, self.in_scope,
-            self.shape, self.dtype, False, False, path, self.functions, self.data,
+            self.shape, self.dtype, False, False, path, self.functions, self.data, self.array,
         )
 
 
@@ -287,12 +290,21 @@ class HostRegistry:
                     return True
         return False
 
+    def writes_cpu(self, frame: Optional[FrameType]) -> bool:
+        """Whether the line at ``frame`` writes its CPU device out (see ``_propagate.CpuLiterals``)."""
+        return True
+
     # -- births ----------------------------------------------------------------------------
     def site_birth(self, name: str, out: Any, site: FrameType, kind: str, explicit: bool, data: str = "") -> Birth:
         scope: tuple[tuple["Run", Optional[int]], ...] = ()
         if FLAGS.in_scope:
             scope = tuple((run, run.unit) for run in core.runs_in_scope())
-        stack = self.stacks.get(("birth", site.f_code, site.f_lineno), site)
+        # keyed by the site and the line that called it: a helper that builds the tensor, called once at one
+        # line and every step at another, has one stack for each
+        back = site.f_back
+        key = ("birth", site.f_code, site.f_lineno, back.f_code if back is not None else None,
+               back.f_lineno if back is not None else 0)
+        stack = self.stacks.get(key, site)
         birth = Birth(
             name, kind, describe_frame(site), stack, explicit, scope,
             tuple(out.shape), str(out.dtype).replace("torch.", ""), data=data,
@@ -308,7 +320,9 @@ class HostRegistry:
         if not isinstance(out, tensor_type):
             return
         device = kwargs.get("device")
-        if device is not None and not is_cpu_string(device):
+        if device is not None and (
+            not is_cpu_string(device) or name in DATA_FACTORIES and FLAGS.in_scope and not self.writes_cpu(frame)
+        ):
             # ``device=x.device`` / ``device=self.device``: the training device (the CPU on this machine).
             if name in DATA_FACTORIES and FLAGS.in_scope and args and not isinstance(args[0], tensor_type):
                 self.data_to_device(name, out, args[0], device, frame)
@@ -327,6 +341,11 @@ class HostRegistry:
         else:
             data = _data_kind(args[0]) if name in DATA_FACTORIES and args else ""
             birth = self.site_birth(name, out, site, kind, explicit, data)
+            if args and (name in DATA_FACTORIES or name == "from_numpy") and _is_ndarray(args[0]):
+                try:
+                    birth.array = weakref.ref(args[0])
+                except TypeError:  # pragma: no cover - an array type without weak references
+                    pass
         self.remember(out, birth)
 
     def data_to_device(self, name: str, out: Any, data: Any, device: Any, frame: Optional[FrameType]) -> None:
@@ -402,6 +421,12 @@ class HostRegistry:
                 return arg
         other = kwargs.get("other")
         return other if isinstance(other, self.tensor_type) else None
+
+
+def _is_ndarray(data: Any) -> bool:
+    """A numpy array (or memmap), told without importing numpy."""
+    cls = type(data)
+    return cls.__module__.startswith("numpy") and hasattr(cls, "__array_interface__")
 
 
 def _data_kind(data: Any) -> str:

@@ -34,7 +34,8 @@ uninitialised memory, so their tensors are found where that memory is first
 written: when a fresh tensor the registry does not know (never written, no
 autograd history) is filled in a step (:data:`INITIALIZERS`: ``fill_``,
 ``zero_``, ``normal_``...), :class:`LegacySites` reads the statement there (once
-per line, then cached); a receiver chain that starts at ``torch.<Legacy>Tensor(...)``,
+per line, then cached); a receiver chain that starts at ``torch.<Legacy>Tensor(...)``
+(or ``Tensor(...)``, ``th.FloatTensor(...)``: the name is looked up in the frame),
 in the same statement or assigned to that name earlier in the same function,
 makes it a host tensor built in the step. ``.cuda()`` and ``.type_as()`` of an
 unknown tensor read the source at the move the same way. A legacy constructor
@@ -55,13 +56,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ..core import FLAGS
 from ..frames import caller, kind_of
 from ..stacks import TORCH, Frame
-from ._host import LEGACY, Birth
+from ._host import LEGACY, Birth, is_cpu_string
 
 if TYPE_CHECKING:
     from ..patching import Patcher
     from ._host import HostRegistry
 
-__all__ = ["BINARY", "FUNCTIONS", "INITIALIZERS", "METHODS", "MOVES", "UNARY", "LegacySites", "install"]
+__all__ = [
+    "BINARY", "FUNCTIONS", "INITIALIZERS", "METHODS", "MOVES", "UNARY", "CpuLiterals", "LegacySites", "install",
+]
 
 #: Tensor dunders of two operands (``t * 0.5``, ``mask == 1``, ``1 - t``).
 BINARY = (
@@ -98,7 +101,9 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
             if type(self) is not tensor_type and dispatch.overrides(self):
                 return dispatch.call(original, self, (other,), {})
             out = original(self, other)
-            if traced and not is_compiling() and flags.active and (id(self) in traced or id(other) in traced):
+            if traced and not is_compiling() and flags.active and (
+                id(self) in traced or id(other) in traced or id(self._base) in traced  # ``i + 8`` for i in ix
+            ):
                 try:
                     probe.follow(label, out, (self, other))
                 except Exception as exc:  # noqa: BLE001 - never into the user's code
@@ -115,7 +120,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
             if type(self) is not tensor_type and dispatch.overrides(self):
                 return dispatch.call(original, self, (), {})
             out = original(self)
-            if traced and not is_compiling() and flags.active and id(self) in traced:
+            if traced and not is_compiling() and flags.active and (id(self) in traced or id(self._base) in traced):
                 try:
                     probe.follow(label, out, (self,))
                 except Exception as exc:  # noqa: BLE001
@@ -191,14 +196,24 @@ INITIALIZERS = (
 )
 
 
-def _legacy_call(node: ast.AST) -> Optional[tuple[str, tuple[str, ...]]]:
-    """``(constructor, methods called on it)`` when ``node`` is a chain starting at ``torch.<Legacy>(...)``."""
+#: ``(constructor, methods called on it, the name it is reached through)``: ``("Tensor", ("fill_",), "torch")`` for
+#: ``torch.Tensor(n).fill_(v)``, ``("Tensor", ("fill_",), None)`` for ``Tensor(n).fill_(v)`` after
+#: ``from torch import Tensor``. The source only shows the spelling: :func:`_resolves` checks it at the frame.
+LegacyCall = tuple[str, tuple[str, ...], Optional[str]]
+
+
+def _legacy_call(node: ast.AST) -> Optional[LegacyCall]:
+    """The legacy constructor that ``node``'s chain starts at: ``<module>.<Legacy>(...)`` or ``<Legacy>(...)``."""
     path: list[str] = []
     while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in LEGACY:
+                return node.func.id, tuple(reversed(path)), None
+            return None
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             func = node.func
-            if isinstance(func.value, ast.Name) and func.value.id == "torch" and func.attr in LEGACY:
-                return func.attr, tuple(reversed(path))
+            if isinstance(func.value, ast.Name) and func.attr in LEGACY:
+                return func.attr, tuple(reversed(path)), func.value.id
             path.append(func.attr)
             node = func.value
         elif isinstance(node, ast.Subscript):
@@ -220,6 +235,47 @@ def _statement_at(filename: str, lineno: int) -> Optional[ast.AST]:
         except SyntaxError:
             continue
     return None
+
+
+class CpuLiterals:
+    """Whether the statement at a line writes a CPU device out (``"cpu"``, ``"cpu:0"``), read once per line.
+
+    ``.to("cpu")`` written out is a host target on purpose; ``.to(device)`` where ``device`` holds ``"cpu"`` on
+    this machine (``"cpu" if not on_gpu else index``) is the training device, a copy on a GPU machine.
+    """
+
+    def __init__(self) -> None:
+        #: (id(code), line) -> (code, written out?); the code is kept, so its id stays its own.
+        self.cache: dict[tuple[int, int], tuple[CodeType, bool]] = {}
+
+    def clear(self) -> None:
+        self.cache.clear()
+
+    def at(self, frame: FrameType) -> bool:
+        code = frame.f_code
+        key = (id(code), frame.f_lineno)
+        entry = self.cache.get(key)
+        if entry is not None and entry[0] is code:
+            return entry[1]
+        written = True  # source that cannot be read: the value is taken at its word
+        try:
+            lineno = frame.f_lineno
+            tree, offset = _statement_at(code.co_filename, lineno), lineno - 1
+            if tree is None:  # a line inside a statement (``{"a": torch.tensor(v).to(device),``): the function
+                tree, offset = _function_body(code, lineno) or (None, 0)
+            if tree is not None:
+                written = any(
+                    isinstance(arg, ast.Constant) and is_cpu_string(arg.value)
+                    for node in ast.walk(tree)
+                    if isinstance(node, ast.Call) and node.lineno + offset <= lineno <= (node.end_lineno or 0) + offset
+                    for arg in [*node.args, *(k.value for k in node.keywords)]
+                )
+        except Exception:  # noqa: BLE001 - unreadable source
+            written = True
+        if len(self.cache) > 5000:
+            self.cache.clear()
+        self.cache[key] = (code, written)
+        return written
 
 
 def _function_body(code: CodeType, lineno: int) -> Optional[tuple[ast.AST, int]]:
@@ -244,6 +300,30 @@ def _function_body(code: CodeType, lineno: int) -> Optional[tuple[ast.AST, int]]
     return None
 
 
+#: ``(constructor, methods called on it, the line that built it, the name it is reached through)``.
+LegacySite = tuple[str, tuple[str, ...], int, Optional[str]]
+
+
+def _resolves(frame: FrameType, constructor: str, through: Optional[str]) -> bool:
+    """Whether ``through.constructor`` (or the bare ``constructor``) names torch's legacy constructor at ``frame``:
+    ``Tensor(n)`` after ``from torch import Tensor``, ``th.FloatTensor(n)`` after ``import torch as th``."""
+    import torch
+
+    def lookup(name: str) -> Any:
+        # f_globals first: reading f_locals builds a snapshot of the frame's locals
+        value = frame.f_globals.get(name, _MISSING)
+        if value is _MISSING or name in frame.f_code.co_varnames or name in frame.f_code.co_cellvars:
+            value = frame.f_locals.get(name, value)
+        return value
+
+    if through is None:
+        return lookup(constructor) is getattr(torch, constructor, None)
+    return lookup(through) is torch and hasattr(torch, constructor)
+
+
+_MISSING = object()
+
+
 class LegacySites:
     """Which lines call one of ``calls`` on a tensor a legacy constructor (``torch.FloatTensor(...)``) built,
     read once per line."""
@@ -252,12 +332,12 @@ class LegacySites:
         self.calls = frozenset(calls)
         #: id(code) -> (code, {line: (constructor, path, the line that built it) or None}). Keyed by the code's id
         #: (hashing a code object costs more than the whole lookup); the code is kept, so its id stays its own.
-        self.cache: dict[int, tuple[CodeType, dict[int, Optional[tuple[str, tuple[str, ...], int]]]]] = {}
+        self.cache: dict[int, tuple[CodeType, dict[int, Optional[LegacySite]]]] = {}
 
     def clear(self) -> None:
         self.cache.clear()
 
-    def at(self, frame: FrameType) -> Optional[tuple[str, tuple[str, ...], int]]:
+    def at(self, frame: FrameType) -> Optional["LegacySite"]:
         code = frame.f_code
         entry = self.cache.get(id(code))
         if entry is None or entry[0] is not code:
@@ -275,7 +355,7 @@ class LegacySites:
         lines[lineno] = found
         return found
 
-    def _read(self, code: CodeType, lineno: int) -> Optional[tuple[str, tuple[str, ...], int]]:
+    def _read(self, code: CodeType, lineno: int) -> Optional["LegacySite"]:
         tree = _statement_at(code.co_filename, lineno)
         if tree is None:
             return None
@@ -286,7 +366,7 @@ class LegacySites:
                 found = _legacy_call(receiver)
                 if found is not None:
                     filled = (node.func.attr,) if node.func.attr in INITIALIZERS else ()
-                    return found[0], found[1] + filled, lineno
+                    return found[0], found[1] + filled, lineno, found[2]
                 if isinstance(receiver, ast.Name):
                     names.append(receiver.id)
         if not names:
@@ -297,12 +377,12 @@ class LegacySites:
                 if isinstance(target, ast.Name) and target.id in names:
                     found = _legacy_call(node.value)
                     if found is not None:
-                        return found[0], found[1], lineno
+                        return found[0], found[1], lineno, found[2]
         parsed = _function_body(code, lineno)
         if parsed is None:
             return None
         body, offset = parsed
-        best: Optional[tuple[str, tuple[str, ...], int]] = None
+        best: Optional[LegacySite] = None
         for node in ast.walk(body):
             if not isinstance(node, ast.Assign) or len(node.targets) != 1:
                 continue
@@ -311,7 +391,7 @@ class LegacySites:
             if isinstance(target, ast.Name) and target.id in names and line < lineno:
                 found = _legacy_call(node.value)
                 if found is not None and (best is None or line > best[2]):
-                    best = (found[0], found[1], line)
+                    best = (found[0], found[1], line, found[2])
                 elif found is None and best is not None and line > best[2]:
                     best = None  # reassigned to something else since
         return best
@@ -328,7 +408,9 @@ def legacy_birth(probe: "HostRegistry", sites: LegacySites, frame: Optional[Fram
     found = sites.at(site)
     if found is None:
         return None
-    constructor, path, line = found
+    constructor, path, line, through = found
+    if not _resolves(site, constructor, through):
+        return None
     birth = probe.site_birth(constructor, tensor, site, kind, False)
     birth.path = tuple(p for p in path if p != "view")
     if line != site.f_lineno:

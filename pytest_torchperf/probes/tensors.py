@@ -95,12 +95,17 @@ class TensorsProbe(HostRegistry, Probe):
         #: Lines that move (``.cuda()``, ``.type_as()``) or fill a tensor a legacy constructor built.
         self.legacy = _propagate.LegacySites(_propagate.MOVES)
         self.legacy_fills = _propagate.LegacySites(_propagate.INITIALIZERS)
+        self.cpu_literals = _propagate.CpuLiterals()
 
     def reset(self) -> None:
         Probe.reset(self)
         self.clear()
         self.legacy.clear()
         self.legacy_fills.clear()
+        self.cpu_literals.clear()
+
+    def writes_cpu(self, frame: Optional[FrameType]) -> bool:
+        return frame is None or self.cpu_literals.at(frame)
 
     def moved_module(self, module: Any) -> bool:
         """Whether ``module`` was moved to a device while watched (so its ``.cpu()`` copies)."""
@@ -180,9 +185,11 @@ class TensorsProbe(HostRegistry, Probe):
 
         def after_to(self: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], frame: Optional[FrameType]) -> None:
             target = probe.target_of_to(args, kwargs)
-            if is_cpu_string(target):
-                target = None  # .to("cpu"): a host target on purpose, not a move to the device
             birth = probe.birth_of(self)
+            if is_cpu_string(target) and (birth is None or not flags.in_scope or probe.writes_cpu(frame)):
+                # .to("cpu") written out: a host target on purpose, not a move to the device (a host-built
+                # tensor moved to a variable that holds "cpu" here is moved to the training device)
+                target = None
             if birth is None or (birth.moved and not flags.in_scope):
                 if target is None:
                     if out is not self and accelerated and probe.loader_tensors and probe.from_loader(self):
