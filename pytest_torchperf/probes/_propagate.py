@@ -237,45 +237,63 @@ def _statement_at(filename: str, lineno: int) -> Optional[ast.AST]:
     return None
 
 
-class CpuLiterals:
-    """Whether the statement at a line writes a CPU device out (``"cpu"``, ``"cpu:0"``), read once per line.
+class _PerLine:
+    """A fact read from the source of the line a frame is at: read once per line, then cached."""
+
+    #: What a line whose source cannot be read gives.
+    unreadable: Any = None
+
+    def __init__(self) -> None:
+        #: id(code) -> (code, {line: fact}). Keyed by the code's id (hashing a code object costs more than the
+        #: whole lookup); the code is kept, so its id stays its own.
+        self.cache: dict[int, tuple[CodeType, dict[int, Any]]] = {}
+
+    def clear(self) -> None:
+        self.cache.clear()
+
+    def at(self, frame: FrameType) -> Any:
+        code = frame.f_code
+        entry = self.cache.get(id(code))
+        if entry is None or entry[0] is not code:
+            if len(self.cache) > 5000:
+                self.cache.clear()
+            entry = self.cache[id(code)] = (code, {})
+        lines = entry[1]
+        lineno = frame.f_lineno
+        if lineno in lines:
+            return lines[lineno]
+        try:
+            found = self._read(code, lineno)
+        except Exception:  # noqa: BLE001 - unreadable source
+            found = self.unreadable
+        lines[lineno] = found
+        return found
+
+    def _read(self, code: CodeType, lineno: int) -> Any:
+        raise NotImplementedError
+
+
+class CpuLiterals(_PerLine):
+    """Whether the statement at a line writes a CPU device out (``"cpu"``, ``"cpu:0"``) as a call's argument.
 
     ``.to("cpu")`` written out is a host target on purpose; ``.to(device)`` where ``device`` holds ``"cpu"`` on
     this machine (``"cpu" if not on_gpu else index``) is the training device, a copy on a GPU machine.
     """
 
-    def __init__(self) -> None:
-        #: (id(code), line) -> (code, written out?); the code is kept, so its id stays its own.
-        self.cache: dict[tuple[int, int], tuple[CodeType, bool]] = {}
+    unreadable = True  # source that cannot be read: the value is taken at its word
 
-    def clear(self) -> None:
-        self.cache.clear()
-
-    def at(self, frame: FrameType) -> bool:
-        code = frame.f_code
-        key = (id(code), frame.f_lineno)
-        entry = self.cache.get(key)
-        if entry is not None and entry[0] is code:
-            return entry[1]
-        written = True  # source that cannot be read: the value is taken at its word
-        try:
-            lineno = frame.f_lineno
-            tree, offset = _statement_at(code.co_filename, lineno), lineno - 1
-            if tree is None:  # a line inside a statement (``{"a": torch.tensor(v).to(device),``): the function
-                tree, offset = _function_body(code, lineno) or (None, 0)
-            if tree is not None:
-                written = any(
-                    isinstance(arg, ast.Constant) and is_cpu_string(arg.value)
-                    for node in ast.walk(tree)
-                    if isinstance(node, ast.Call) and node.lineno + offset <= lineno <= (node.end_lineno or 0) + offset
-                    for arg in [*node.args, *(k.value for k in node.keywords)]
-                )
-        except Exception:  # noqa: BLE001 - unreadable source
-            written = True
-        if len(self.cache) > 5000:
-            self.cache.clear()
-        self.cache[key] = (code, written)
-        return written
+    def _read(self, code: CodeType, lineno: int) -> bool:
+        tree, offset = _statement_at(code.co_filename, lineno), lineno - 1
+        if tree is None:  # a line inside a statement (``{"a": torch.tensor(v).to(device),``): the function
+            tree, offset = _function_body(code, lineno) or (None, 0)
+        if tree is None:
+            return self.unreadable
+        return any(
+            isinstance(arg, ast.Constant) and is_cpu_string(arg.value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and node.lineno + offset <= lineno <= (node.end_lineno or 0) + offset
+            for arg in [*node.args, *(k.value for k in node.keywords)]
+        )
 
 
 def _function_body(code: CodeType, lineno: int) -> Optional[tuple[ast.AST, int]]:
@@ -324,36 +342,13 @@ def _resolves(frame: FrameType, constructor: str, through: Optional[str]) -> boo
 _MISSING = object()
 
 
-class LegacySites:
-    """Which lines call one of ``calls`` on a tensor a legacy constructor (``torch.FloatTensor(...)``) built,
-    read once per line."""
+class LegacySites(_PerLine):
+    """Which lines call one of ``calls`` on a tensor a legacy constructor (``torch.FloatTensor(...)``) built:
+    ``(constructor, path, the line that built it, the name it is reached through)`` or None."""
 
     def __init__(self, calls: "frozenset[str] | tuple[str, ...]") -> None:
+        super().__init__()
         self.calls = frozenset(calls)
-        #: id(code) -> (code, {line: (constructor, path, the line that built it) or None}). Keyed by the code's id
-        #: (hashing a code object costs more than the whole lookup); the code is kept, so its id stays its own.
-        self.cache: dict[int, tuple[CodeType, dict[int, Optional[LegacySite]]]] = {}
-
-    def clear(self) -> None:
-        self.cache.clear()
-
-    def at(self, frame: FrameType) -> Optional["LegacySite"]:
-        code = frame.f_code
-        entry = self.cache.get(id(code))
-        if entry is None or entry[0] is not code:
-            if len(self.cache) > 5000:
-                self.cache.clear()
-            entry = self.cache[id(code)] = (code, {})
-        lines = entry[1]
-        lineno = frame.f_lineno
-        if lineno in lines:
-            return lines[lineno]
-        try:
-            found = self._read(code, lineno)
-        except Exception:  # noqa: BLE001 - unreadable source is no legacy constructor
-            found = None
-        lines[lineno] = found
-        return found
 
     def _read(self, code: CodeType, lineno: int) -> Optional["LegacySite"]:
         tree = _statement_at(code.co_filename, lineno)
