@@ -110,6 +110,11 @@ class _Copy(PerStep):
         self._array: Any = None
         self.fresh_input = False
 
+    @property
+    def judged(self) -> bool:
+        """Your code's copy, not accepted by an allow-list and not on a period: it fails unless it is input data."""
+        return self.by_user and not self.allowed_by and self.cadence is None
+
     def record(self, event: Move, unit: Optional[int], built_in_step: bool, epoch: int = 0) -> None:
         self.add(unit, epoch)
         array = event.birth.array if event.birth is not None else None
@@ -292,7 +297,7 @@ class DevicePlacementCheck(Check):
                     "once per epoch": "at most once per epoch", "once": "once in the run (like a tensor built lazily in the first step and kept)"}
             facts.append(f"copied {what[copy.cadence]}: a note, not a failure (max_copy_rate={self.limit:g}; "
                          "0 fails on it)")
-        if copy.fresh_input and copy.by_user and not copy.allowed_by and copy.cadence is None:
+        if copy.judged and copy.fresh_input:
             facts.append(
                 "made from a new numpy array at each move: input data (a batch built by hand), which every step "
                 "must copy, as it would a DataLoader's batch: a note, not a failure; on CUDA pin it "
@@ -309,7 +314,7 @@ class DevicePlacementCheck(Check):
             )
         elif copy.creation is not None and classify.rule_matters(copy.creation.filename):
             facts.append(f"counted as your code: {classify.rule(copy.creation.filename)}")
-        hint = copy.hint if copy.by_user and not copy.allowed_by and copy.cadence is None and not copy.fresh_input else ""
+        hint = copy.hint if copy.judged and not copy.fresh_input else ""
         return Finding(title, facts, sites, hint)
 
     def result(self) -> CheckResult:
@@ -319,9 +324,9 @@ class DevicePlacementCheck(Check):
         copies = sorted((c for c in self._copies.values() if c.broken), key=lambda c: -c.count)
         for c in copies:
             c.cadence = cadence(c, total, self.limit) if c.by_user and not c.allowed_by else None
-        failing = [c for c in copies if c.by_user and not c.allowed_by and c.cadence is None and not c.fresh_input]
+        failing = [c for c in copies if c.judged and not c.fresh_input]
         periodic = [c for c in copies if c.cadence is not None]
-        inputs = [c for c in copies if c.by_user and not c.allowed_by and c.cadence is None and c.fresh_input]
+        inputs = [c for c in copies if c.judged and c.fresh_input]
         framework = [c for c in copies if not c.by_user and not c.allowed_by]
         noted = periodic + inputs + framework
         allowed = [c for c in copies if c.allowed_by]
