@@ -33,8 +33,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any, Callable
 
-from bench_step_checks import build, quartiles
+from bench_step_checks import build, interleaved, quartiles
 
 BUDGETS = {"op-bound-sgd": 1.05, "op-bound-adam": 1.05, "compute-bound": 1.02}
 #: The defaults switched off for ``R``: only ``no_graph_retention`` (and what every run installs) remains.
@@ -46,60 +47,26 @@ ONLY_RETENTION = dict(
 def measure(kind: str, rounds: int, reps: int) -> dict[str, object]:
     from pytest_torchperf import watch
 
+    def variants(block: Any, plain_steps: Any, watched_steps: Any) -> dict[str, Callable[[], float]]:
+        def plain() -> float:
+            return block(plain_steps())
+
+        def retention() -> float:
+            with watch(**ONLY_RETENTION) as run:
+                return block(watched_steps(run))
+
+        def defaults() -> float:
+            with watch() as run:
+                return block(watched_steps(run))
+
+        def defaults_and_retention() -> float:
+            with watch(no_graph_retention=True) as run:
+                return block(watched_steps(run))
+
+        return {"A": plain, "A'": plain, "R": retention, "D": defaults, "DR": defaults_and_retention}
+
     step, n = build(kind)
-    warm = max(n // 20, 1)
-    for _ in range(max(n * 3, 20)):
-        step()
-    clock = time.perf_counter
-
-    def block(steps: object) -> float:
-        for _ in range(warm):
-            next(steps)  # type: ignore[call-overload]
-        durations = []
-        for _ in range(n):
-            start = clock()
-            next(steps)  # type: ignore[call-overload]
-            durations.append(clock() - start)
-        return statistics.median(durations)
-
-    def plain_steps():  # type: ignore[no-untyped-def]
-        while True:
-            yield step()
-
-    def watched_steps(run):  # type: ignore[no-untyped-def]
-        while True:
-            with run.step():
-                step()
-            yield
-
-    def plain() -> float:
-        return block(plain_steps())
-
-    def retention() -> float:
-        with watch(**ONLY_RETENTION) as run:
-            return block(watched_steps(run))
-
-    def defaults() -> float:
-        with watch() as run:
-            return block(watched_steps(run))
-
-    def defaults_and_retention() -> float:
-        with watch(no_graph_retention=True) as run:
-            return block(watched_steps(run))
-
-    variants = {"A": plain, "A'": plain, "R": retention, "D": defaults, "DR": defaults_and_retention}
-    names = list(variants)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds + 1):
-        samples: dict[str, list[float]] = {name: [] for name in names}
-        for rep in range(reps):
-            shift = (r + rep) % len(names)
-            for name in names[shift:] + names[:shift]:
-                samples[name].append(variants[name]())
-        if r == 0:
-            continue
-        for name in names:
-            times[name].append(statistics.median(samples[name]))
+    times = interleaved(step, n, rounds, reps, variants)
     ratios = {
         "R/A": [b / a for b, a in zip(times["R"], times["A"])],
         "DR/D": [b / a for b, a in zip(times["DR"], times["D"])],
@@ -107,11 +74,11 @@ def measure(kind: str, rounds: int, reps: int) -> dict[str, object]:
     }
     # The cadence: one long watched block, read from the check's figures.
     with watch(**ONLY_RETENTION) as run:
-        begin = clock()
+        begin = time.perf_counter()
         for _ in range(n * reps):
             with run.step():
                 step()
-        elapsed = clock() - begin
+        elapsed = time.perf_counter() - begin
     figures = run.report["no_graph_retention"].figures  # type: ignore[index]
     return {
         "median_us": {name: statistics.median(v) * 1e6 for name, v in times.items()},

@@ -49,7 +49,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 BUDGETS = {"op-bound-sgd": 1.05, "op-bound-adam": 1.05, "op-bound-residual": 1.05, "compute-bound": 1.02}
 
@@ -111,10 +111,15 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
-def measure(kind: str, rounds: int, reps: int) -> dict[str, object]:
-    from pytest_torchperf import watch
+def interleaved(
+    step: Callable[[], object], n: int, rounds: int, reps: int, variants_of: Callable[..., dict[str, Callable[[], float]]]
+) -> dict[str, list[float]]:
+    """Each variant's median step time per round, the variants run interleaved (see the module's docstring).
 
-    step, n = build(kind)
+    ``variants_of(block, plain_steps, watched_steps)`` names the variants: ``block(steps)`` times ``n``
+    steps of a step generator, ``plain_steps()`` runs ``step``, ``watched_steps(run)`` runs it inside
+    ``run.step()``.
+    """
     warm = max(n // 20, 1)
     for _ in range(max(n * 3, 20)):
         step()
@@ -143,23 +148,7 @@ def measure(kind: str, rounds: int, reps: int) -> dict[str, object]:
                 step()
             yield
 
-    def plain() -> float:
-        return block(plain_steps())
-
-    def watched() -> float:
-        with watch() as run:
-            return block(watched_steps(run))
-
-    def installed() -> float:
-        with watch():
-            return block(plain_steps())
-
-    def step_checks_only() -> float:
-        # Probes are installed for the invariants a run checks: these two alone.
-        with watch(no_iterator_reset=False, no_data_parallel=False) as run:
-            return block(watched_steps(run))
-
-    variants = {"A": plain, "A'": plain, "S": step_checks_only, "B": watched, "C": installed}
+    variants = variants_of(block, plain_steps, watched_steps)
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds + 1):
@@ -172,6 +161,33 @@ def measure(kind: str, rounds: int, reps: int) -> dict[str, object]:
             continue  # warm-up
         for name in names:
             times[name].append(statistics.median(samples[name]))
+    return times
+
+
+def measure(kind: str, rounds: int, reps: int) -> dict[str, object]:
+    from pytest_torchperf import watch
+
+    def variants(block: Any, plain_steps: Any, watched_steps: Any) -> dict[str, Callable[[], float]]:
+        def plain() -> float:
+            return block(plain_steps())
+
+        def watched() -> float:
+            with watch() as run:
+                return block(watched_steps(run))
+
+        def installed() -> float:
+            with watch():
+                return block(plain_steps())
+
+        def step_checks_only() -> float:
+            # Probes are installed for the invariants a run checks: these two alone.
+            with watch(no_iterator_reset=False, no_data_parallel=False) as run:
+                return block(watched_steps(run))
+
+        return {"A": plain, "A'": plain, "S": step_checks_only, "B": watched, "C": installed}
+
+    step, n = build(kind)
+    times = interleaved(step, n, rounds, reps, variants)
     ratios = {
         f"{name}/A": [b / a for b, a in zip(times[name], times["A"])] for name in ("S", "B", "C", "A'")
     }
