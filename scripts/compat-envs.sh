@@ -62,6 +62,7 @@ build() {
   pip_in "$env" --no-deps --force-reinstall "$root"
   rm -rf "$root/build"
   "$env/bin/python" -c "$check"
+  if "$env/bin/python" -c "import torch" >/dev/null 2>&1; then bash "$root/scripts/check-torch.sh" "$env/bin/python"; fi
   echo "$stamp" > "$env/.torchperf-stamp"
 }
 

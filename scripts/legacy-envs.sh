@@ -19,10 +19,13 @@ for version in 1.5.0 1.5.1; do
   "$python" -m venv "$env"
   pip=("$env/bin/python" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" torch==2.13.0 pytest
+  # 1.5.x imports pkg_resources, which setuptools 81 removed; torch 2.13.0 needs setuptools>=77.0.3.
+  # A pin outside that window makes pip resolve another torch (a multi-GB CUDA build): checked below.
   # 1.5.x pins old requirements that would pull another torch: install it alone, then what it imports.
   "${pip[@]}" --no-deps "pytorch-lightning==$version"
   "${pip[@]}" future tqdm PyYAML fsspec tensorboard "torchmetrics==0.6.0" "pyDeprecate==0.3.1" \
-    packaging typing-extensions numpy "setuptools<70"
+    packaging typing-extensions numpy "setuptools>=77.0.3,<81"
   "${pip[@]}" --no-deps -e "$root"
   "$env/bin/python" -c "import pytorch_lightning as pl; assert pl.__version__ == '$version', pl.__version__"
+  bash "$root/scripts/check-torch.sh" "$env/bin/python"
 done

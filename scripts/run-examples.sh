@@ -8,6 +8,7 @@ cd "$root"
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[lightning]"
+bash scripts/check-torch.sh .venv/bin/python
 bash scripts/legacy-envs.sh
 envs=${TORCHPERF_LEGACY_ENVS:-$root/.torchperf-envs}
 status=0

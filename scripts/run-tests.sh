@@ -12,6 +12,7 @@ cd "$root"
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[test]"
+bash scripts/check-torch.sh .venv/bin/python
 bash scripts/legacy-envs.sh
 export TORCHPERF_REQUIRE_LEGACY=1
 status=0
