@@ -193,6 +193,19 @@ class Check:
     def __init__(self, run: "Run") -> None:
         self.run = run
 
+    @property
+    def settings(self) -> Any:
+        """This invariant's settings, a frozen object (``self.settings.max_syncs_per_step``)."""
+        own = self.__dict__.get("_settings")
+        if own is None:
+            name = self.name or getattr(self.run, "_building", "")
+            own = self.__dict__["_settings"] = self.run.options.settings(name)
+        return own
+
+    @settings.setter
+    def settings(self, value: Any) -> None:  # a check of today's API may keep its own ``settings``
+        self.__dict__["_settings"] = value
+
     def result(self) -> CheckResult:  # pragma: no cover - abstract
         raise NotImplementedError
 
