@@ -24,7 +24,7 @@ Built-in probes are the modules of this package, each with a ``PROBE``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .. import core
 
@@ -41,6 +41,9 @@ class Probe:
     name: str = ""
     #: Names of the probes that must be installed before this one.
     needs: tuple[str, ...] = ()
+    #: Events this probe sends beyond :data:`pytest_torchperf.core.EVENTS` (name -> what a handler receives):
+    #: the checks of the invariants that use the probe may define them.
+    events: "Mapping[str, str]" = {}
 
     def __init__(self) -> None:
         #: What this probe could not attach to in this process (feature -> why); reset with the probe.
