@@ -9,11 +9,12 @@ imports torch.
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
+
+from .errors import UsageError, suggest
 
 __all__ = [
     "Argument",
@@ -27,16 +28,6 @@ __all__ = [
     "UsageError",
     "suggest",
 ]
-
-
-class UsageError(ValueError):
-    """A torchperf marker, fixture or option was given an argument it does not accept."""
-
-
-def suggest(word: str, choices: Sequence[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices``, else an empty string."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _type_name(value: Any) -> str:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
-from .baseline import Observation
+if TYPE_CHECKING:
+    from .baseline import Observation
 
 __all__ = ["Annotation", "escape_data", "escape_property", "workflow_command", "annotations", "enabled"]
 

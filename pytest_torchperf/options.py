@@ -12,17 +12,16 @@ from typing import Any, Mapping
 
 from . import registry
 from .arguments import UsageError, suggest
+from .constants import (  # noqa: F401 - read from here by the invariants
+    OVERHEAD_INCONCLUSIVE,
+    OVERHEAD_MAX_ROUNDS,
+    OVERHEAD_MIN_ROUNDS,
+    OVERHEAD_ROUNDS,
+)
 from .declarations import make_settings
 from .registry import SCOPES
 
 __all__ = ["SCOPES", "Options", "UsageError", "parse_options", "describe_options"]
-
-#: ``overhead_rounds``: default, and the range it accepts (fewer than 4 rounds cannot bound a median).
-OVERHEAD_ROUNDS = 10
-OVERHEAD_MIN_ROUNDS = 4
-OVERHEAD_MAX_ROUNDS = 1000
-#: ``overhead_inconclusive``: what a ``max_overhead`` verdict that is neither a pass nor a fail does to the test.
-OVERHEAD_INCONCLUSIVE = ("fail", "skip", "warn")
 
 
 class Options:

@@ -16,13 +16,12 @@ validates names given by the user.
 
 from __future__ import annotations
 
-import configparser
 import os
 import re
 import sys
 from typing import Any, Optional, Sequence
 
-from .arguments import UsageError, suggest
+from .errors import UsageError, suggest
 from .stacks import UserPackage, package_locations
 
 __all__ = ["check_names", "import_packages", "project_name", "user_packages"]
@@ -70,6 +69,8 @@ def project_name(rootdir: str) -> Optional[tuple[str, str]]:
             return name, "pyproject.toml"
     setup_cfg = os.path.join(rootdir, "setup.cfg")
     if os.path.isfile(setup_cfg):
+        import configparser  # only for a project that has a setup.cfg
+
         parser = configparser.ConfigParser()
         try:
             parser.read(setup_cfg, encoding="utf-8")

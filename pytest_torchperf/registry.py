@@ -51,8 +51,7 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "pytest_torchperf.invariants"
 
-#: Where the step checks apply.
-SCOPES = ("training_step", "batch", "test")
+from .constants import SCOPES  # noqa: E402 - where the step checks apply
 
 #: The argument every run has: where the step checks apply.
 SCOPE = Argument(
