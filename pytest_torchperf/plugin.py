@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import adoption, project, stacks
+from . import adoption, project
 from ._lazy import lazy_module
 from .errors import UsageError
 from .constants import OVERHEAD_ROUNDS
@@ -31,7 +31,7 @@ from .settings import Settings, add_options, apply_threads, resolve_settings, se
 from .text import plural
 
 if TYPE_CHECKING:
-    from . import baseline, results
+    from . import baseline, results, stacks
     from .core import Run
     from .options import Options
     from .report import Report
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 else:  # loaded when the first test is watched (or a report needs them): an unmarked session pays nothing
     baseline = lazy_module("pytest_torchperf.baseline")
     results = lazy_module("pytest_torchperf.results")
+    stacks = lazy_module("pytest_torchperf.stacks")
 _options = lazy_module("pytest_torchperf.options")
 _report = lazy_module("pytest_torchperf.report")
 _timing = lazy_module("pytest_torchperf.timing")
@@ -52,6 +53,7 @@ _OPTIONS = pytest.StashKey["Optional[Options]"]()
 _RUNS = pytest.StashKey["list[tuple[str, Any]]"]()  # (source, a Run or a _Comparison)
 _SETTINGS = pytest.StashKey["Settings"]()
 _SKIPPED = pytest.StashKey[bool]()  # the test was skipped for an inconclusive verdict
+_PROJECT = pytest.StashKey[bool]()  # the project's packages are known to the frame classifier
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -75,8 +77,7 @@ class _XdistController:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _marker_help(config))
     settings = config.stash[_SETTINGS] = resolve_settings(config)
-    stacks.set_display_root(str(config.rootpath))
-    _count_user_packages(config, settings)
+    config.stash[_PROJECT] = False  # read when the first test is watched (see _know_the_project)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         lock = workerinput.get("torchperf_timing_lock")
@@ -116,8 +117,17 @@ def _judged_elsewhere() -> bool:
     return judged_elsewhere()
 
 
-def _count_user_packages(config: pytest.Config, settings: Settings) -> None:
-    """Tell the frame classifier which installed packages are the user's (restored when the session ends)."""
+def _know_the_project(config: pytest.Config) -> None:
+    """Before the first watch: the display root, and which installed packages are the user's.
+
+    Deferred from configure (reading the project's metadata costs every session that never watches);
+    restored when the session ends.
+    """
+    if config.stash.get(_PROJECT, True):
+        return
+    config.stash[_PROJECT] = True
+    stacks.set_display_root(str(config.rootpath))
+    settings = config.stash[_SETTINGS]
     named_by = "--torchperf-user-packages" if config.getoption("torchperf_user_packages") else "torchperf_user_packages"
     packages = project.user_packages(str(config.rootpath), settings.user_packages, named_by)
     previous = stacks.classify.set_user_packages(packages)
@@ -189,10 +199,11 @@ def _torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def _require_torch() -> None:
+def _require_torch(config: pytest.Config) -> None:
     """Watching needs torch: without it, a clear failure rather than an ImportError from deep inside."""
     if not _torch_installed():
         pytest.fail("pytest-torchperf: watching a test needs torch, which is not installed", pytrace=False)
+    _know_the_project(config)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -200,7 +211,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     options = item.stash.get(_OPTIONS, None)
     if options is None:
         return (yield)
-    _require_torch()
+    _require_torch(item.config)
     with _watch.watching(options) as run:
         item.stash[_RUNS].append(("marker", run))
         result = yield
@@ -406,7 +417,7 @@ class TorchperfFixture:
         _options.parse_options(kwargs, where="torchperf.watch()")  # the caller's own mistakes, named as theirs
         defaults = _session_defaults(self._item.config)
         options = _options.parse_options({**defaults, **kwargs}, where="torchperf.watch()")
-        _require_torch()
+        _require_torch(self._item.config)
         with _watch.watching(options) as run:
             self._open.append(run)
             self._item.stash.setdefault(_RUNS, []).append(("fixture", run))
