@@ -25,8 +25,8 @@ import pytest
 
 from . import adoption, project
 from ._lazy import lazy_module
-from .errors import UsageError
 from .constants import OVERHEAD_ROUNDS
+from .errors import UsageError
 from .settings import Settings, add_options, apply_threads, resolve_settings, session_defaults
 from .text import plural
 

@@ -17,7 +17,8 @@ from .. import lightning
 from ..report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Frame, Stack, capture
 from ..timing import NotMirrored, ParityResult
-from ..timing.stats import fmt_pct, fmt_seconds as _seconds
+from ..timing.stats import fmt_pct
+from ..timing.stats import fmt_seconds as _seconds
 from .attribution import attribution, where_finding
 from .replay import ObservedFit, config_refusals, copy_callbacks, mirrored_config, run_replay, snapshot
 

@@ -62,8 +62,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..core import FLAGS
-from . import Probe, accelerator_available, is_compiling_function
-from . import _propagate
+from . import Probe, _propagate, accelerator_available, is_compiling_function
 from ._host import (
     CONVERSIONS,
     DATA,

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .. import core, lightning, registry
-from ..watch import finish, start, stop
 from ..core import Run
 from ..options import Options
 from ..stacks import TORCHPERF, USER, classify, display_path
+from ..watch import finish, start, stop
 from .wire import VERSION, report_to_data, write_json
 
 __all__ = ["ENV", "ChildRuns", "RankEntry", "RankSpec", "context", "describe_error", "error_of", "judged_elsewhere", "rank_of"]
