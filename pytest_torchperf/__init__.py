@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # what the names below are; at run time each module loads on 
     from .registry import ENTRY_POINT_GROUP, Invariant, register, unregister
     from .report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, InvariantViolation, Report, Site
     from .status import Status
-    from .timing import NotMirrored, ParityResult, parity, vanilla_fit
+    from .timing import NotMirrored, ParityResult, parity, vanilla_fit  # type: ignore[no-redef,unused-ignore]
     from .watch import watch
 
 #: Public name -> the module that defines it (imported the first time the name is read).

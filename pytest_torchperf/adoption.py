@@ -285,7 +285,9 @@ class _Adoption:
         if self.annotate:
             found = [(n, o, level, note, fb) for n, o, level, note, fb in self._levels()]
             workspace = os.environ.get("GITHUB_WORKSPACE") or None
-            for annotation in github.annotations(found, rootdir=str(self.config.rootpath), workspace=workspace):
+            for annotation in github.annotations(  # type: ignore[operator]  # (mypy sees __future__.annotations)
+                found, rootdir=str(self.config.rootpath), workspace=workspace
+            ):
                 tr.write_line(annotation.text())
 
     def _baseline_summary(self, tr: Any) -> None:

@@ -82,7 +82,7 @@ class Integer(ArgumentKind):
     optional: bool = True
 
     @property
-    def json_type(self) -> Any:  # type: ignore[override]
+    def json_type(self) -> Any:
         return ["integer", "null"] if self.optional else "integer"
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:
@@ -124,7 +124,7 @@ class Number(ArgumentKind):
     unit: str = ""
 
     @property
-    def json_type(self) -> Any:  # type: ignore[override]
+    def json_type(self) -> Any:
         return ["number", "null"] if self.optional else "number"
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:
@@ -156,7 +156,7 @@ class Fraction(ArgumentKind):
     optional: bool = False
 
     @property
-    def json_type(self) -> Any:  # type: ignore[override]
+    def json_type(self) -> Any:
         return ["number", "null"] if self.optional else "number"
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:
@@ -181,7 +181,7 @@ class Choice(ArgumentKind):
     optional: bool = False
 
     @property
-    def json_type(self) -> Any:  # type: ignore[override]
+    def json_type(self) -> Any:
         return ["string", "null"] if self.optional else "string"
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:

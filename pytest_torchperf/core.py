@@ -302,7 +302,7 @@ class Run:
             try:
                 handler(*args)
             except Exception as exc:  # noqa: BLE001 - see notify()
-                self.check_failed(getattr(handler.__self__, "name", "?"), exc)
+                self.check_failed(getattr(getattr(handler, "__self__", None), "name", "?"), exc)
 
     def check_failed(self, name: str, exc: BaseException) -> None:
         """A check's own code raised while handling an event: its verdict becomes "not checked"."""
@@ -376,7 +376,8 @@ class Run:
             broken.append((f"check {name}", own))
         if not broken:
             try:
-                return check.result()
+                result: CheckResult = check.result()
+                return result
             except Exception as exc:  # noqa: BLE001 - a torchperf bug must not decide the test
                 broken.append((f"check {name}", f"{type(exc).__name__}: {exc}"))
         where, message = broken[0]

@@ -24,7 +24,7 @@ __all__ = ["QUALIFIER", "handler_names", "make_settings", "settings_class", "val
 QUALIFIER = "__"
 
 #: ``on_*`` names of the Check base class and its helpers that are not handlers.
-_NOT_HANDLERS = frozenset()
+_NOT_HANDLERS: frozenset[str] = frozenset()
 
 
 def handler_names(cls: type) -> list[str]:

@@ -89,7 +89,7 @@ def _relative(path: str, roots: Iterable[Optional[str]]) -> str:
     return real.replace(os.sep, "/")
 
 
-def annotations(
+def annotations(  # type: ignore[no-redef,unused-ignore]  # the name is also the __future__ feature
     findings: Iterable[tuple[str, Observation, str, str, Optional[tuple[str, int]]]],
     *,
     rootdir: str,

@@ -21,7 +21,17 @@ from .constants import (  # noqa: F401 - read from here by the invariants
 from .declarations import make_settings
 from .registry import SCOPES
 
-__all__ = ["SCOPES", "Options", "UsageError", "parse_options", "describe_options"]
+__all__ = [
+    "OVERHEAD_INCONCLUSIVE",
+    "OVERHEAD_MAX_ROUNDS",
+    "OVERHEAD_MIN_ROUNDS",
+    "OVERHEAD_ROUNDS",
+    "SCOPES",
+    "Options",
+    "UsageError",
+    "describe_options",
+    "parse_options",
+]
 
 
 class Options:

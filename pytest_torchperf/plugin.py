@@ -131,7 +131,11 @@ def _know_the_project(config: pytest.Config) -> None:
     named_by = "--torchperf-user-packages" if config.getoption("torchperf_user_packages") else "torchperf_user_packages"
     packages = project.user_packages(str(config.rootpath), settings.user_packages, named_by)
     previous = stacks.classify.set_user_packages(packages)
-    config.add_cleanup(lambda: stacks.classify.set_user_packages(previous))
+
+    def restore() -> None:
+        stacks.classify.set_user_packages(previous)
+
+    config.add_cleanup(restore)
 
 
 # -- watching a test ------------------------------------------------------------------------

@@ -35,7 +35,7 @@ _NAME_LINE = re.compile(r"""^\s*name\s*=\s*["']([^"']+)["']""")
 def _toml_project_name(text: str) -> Optional[str]:
     """``[project] name`` of a pyproject.toml (tomllib where there is one, else a small line reader)."""
     try:
-        import tomllib  # type: ignore[import-not-found]  # Python 3.11+
+        import tomllib  # type: ignore[import-not-found,unused-ignore]  # Python 3.11+
     except ImportError:  # pragma: no cover - Python 3.9/3.10
         tomllib = None
     if tomllib is not None:

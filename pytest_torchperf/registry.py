@@ -246,9 +246,9 @@ def _from_entry_points() -> list[tuple[str, Invariant]]:
     from importlib import metadata
 
     try:
-        selected = metadata.entry_points(group=ENTRY_POINT_GROUP)  # type: ignore[call-arg]
+        selected: Any = metadata.entry_points(group=ENTRY_POINT_GROUP)  # type: ignore[call-arg,unused-ignore]
     except TypeError:  # Python 3.9: a dict of groups
-        selected = metadata.entry_points().get(ENTRY_POINT_GROUP, [])  # type: ignore[attr-defined]
+        selected = metadata.entry_points().get(ENTRY_POINT_GROUP, [])  # type: ignore[attr-defined,arg-type,unused-ignore]
     out: list[tuple[str, Invariant]] = []
     for ep in sorted(selected, key=lambda ep: ep.name):
         dist = getattr(getattr(ep, "dist", None), "name", None)

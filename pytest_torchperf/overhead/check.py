@@ -134,7 +134,7 @@ class OverheadCheck:
             first = unsure[0]
             summary = first.summary + (f" ({first.fit.label} #{first.fit.index} of {len(outcomes)})" if many else "")
             return CheckResult(NAME, INCONCLUSIVE, summary, 0, findings, figures)
-        summary = worst.summary if timed else "no fit was timed"  # type: ignore[possibly-undefined]
+        summary = worst.summary if timed else "no fit was timed"  # type: ignore[possibly-undefined,unused-ignore]
         if many:
             summary += f" (worst of {len(outcomes)} fits)"
         return CheckResult(NAME, PASSED, summary, 0, [], figures)

@@ -177,7 +177,7 @@ class TensorsProbe(HostRegistry, Probe):
             return functools.wraps(original)(convert)
 
         for name in CONVERSIONS:
-            patcher.wrap(tensor_type, name, lambda original, name=name: conversion(name, original))
+            patcher.wrap(tensor_type, name, lambda original, name=name: conversion(name, original))  # type: ignore[misc]
 
         # A real host-to-device copy can only happen where an accelerator is present.
         accelerated = accelerator_available()

@@ -431,7 +431,7 @@ def _wrap_subprocess_handler(original: Callable[..., Any]) -> Callable[..., Any]
                 key = (env.get("TORCHELASTIC_RUN_ID"), env.get("TORCHELASTIC_RESTART_COUNT"), env.get("GROUP_RANK"))
                 launch = _ELASTIC.get(key)
                 if launch is None or not launch.runs:
-                    launch = _ELASTIC[key] = new_launch("torchrun")
+                    launch = _ELASTIC[key] = new_launch("torchrun")  # type: ignore[assignment]
                 if launch is not None:
                     env[ENV] = launch.spec().to_env("boot")
                     values["env"] = env
