@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["OVERHEAD_INCONCLUSIVE", "OVERHEAD_MAX_ROUNDS", "OVERHEAD_MIN_ROUNDS", "OVERHEAD_ROUNDS", "SCOPES", "TRACE_STEPS"]
+__all__ = [
+    "OVERHEAD_INCONCLUSIVE",
+    "OVERHEAD_MAX_ROUNDS",
+    "OVERHEAD_MIN_ROUNDS",
+    "OVERHEAD_ROUNDS",
+    "SCOPES",
+    "TRACE_STEPS",
+]
 
 #: Where the step checks apply.
 SCOPES = ("training_step", "batch", "test")

@@ -382,7 +382,8 @@ class Run:
                 broken.append((f"check {name}", f"{type(exc).__name__}: {exc}"))
         where, message = broken[0]
         what = where if where.startswith("check ") else f"probe {where}"
-        return CheckResult(name, NOT_CHECKED, f"torchperf internal error in {what}: {message}; the check is not checked")
+        summary = f"torchperf internal error in {what}: {message}; the check is not checked"
+        return CheckResult(name, NOT_CHECKED, summary)
 
     def __repr__(self) -> str:
         state = "active" if self._active else ("finished" if self.report else "idle")

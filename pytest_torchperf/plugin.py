@@ -255,7 +255,8 @@ class TorchperfFailure:
         blocks = self.report.blocks(self.verbose)
         if self.comparison is not None:
             lines = [self.comparison.summary_line()]
-            blocks = [_report.Block(None, lines), _report.Block("torchperf: baseline", self.comparison.lines())] + blocks
+            baseline_block = _report.Block("torchperf: baseline", self.comparison.lines())
+            blocks = [_report.Block(None, lines), baseline_block] + blocks
         if self.notes:
             blocks.append(_report.Block(None, list(self.notes)))
         return blocks
@@ -342,7 +343,10 @@ class _Recorder:
         tr = terminalreporter
         verbose = (self.config.getoption("verbose", 0) or 0) > 0
         rank = os.environ.get("LOCAL_RANK", "?") if _judged_elsewhere() else None
-        tr.write_sep("=", "torchperf summary" if rank is None else f"torchperf summary of rank process {rank} (reported to its launcher, which judges)")
+        title = "torchperf summary"
+        if rank is not None:
+            title = f"torchperf summary of rank process {rank} (reported to its launcher, which judges)"
+        tr.write_sep("=", title)
         broken: dict[str, int] = {}
         unsure: dict[str, int] = {}
         for test in self.tests:

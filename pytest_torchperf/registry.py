@@ -292,7 +292,8 @@ def setting_keys(invariant: Invariant) -> dict[str, str]:
     out: dict[str, str] = {}
     for arg in invariant.arguments:
         owned = arguments.get(arg.name)
-        out[arg.name] = arg.name if owned is not None and owned[1] is invariant else f"{invariant.name}{QUALIFIER}{arg.name}"
+        own = owned is not None and owned[1] is invariant
+        out[arg.name] = arg.name if own else f"{invariant.name}{QUALIFIER}{arg.name}"
     return out
 
 

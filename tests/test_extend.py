@@ -48,11 +48,13 @@ class Budget(Check):
 
 
 def _budget(name: str, default: int = 1) -> Invariant:
-    return Invariant(name=name, doc="d", check=Budget, arguments=(Argument("budget", Integer(minimum=0), default, "b"),))
+    budget = Argument("budget", Integer(minimum=0), default, "b")
+    return Invariant(name=name, doc="d", check=Budget, arguments=(budget,))
 
 
 def test_an_unknown_handler_is_refused_at_registration_with_the_closest_event() -> None:
-    with pytest.raises(UsageError, match=r"defines on_step_ended\(\), which is no event \(did you mean 'on_step_end'\?\)"):
+    expected = r"defines on_step_ended\(\), which is no event \(did you mean 'on_step_end'\?\)"
+    with pytest.raises(UsageError, match=expected):
         register(Invariant(name="misspelt", doc="d", check=Misspelt))
     assert "misspelt" not in registry.invariants()
 
