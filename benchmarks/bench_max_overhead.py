@@ -178,7 +178,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--noise", type=int, default=0, help="bursty CPU hogs to run beside it (default 0)")
     parser.add_argument("--json", help="write every run's figures here")
+    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; no budget verdict)")
     args = parser.parse_args()
+    if args.smoke:
+        args.runs, args.calibration, args.plain, args.noise = 1, 1, 1, 0
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.noise)]
     try:
         run(args)

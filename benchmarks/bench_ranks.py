@@ -178,7 +178,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--local", action="store_true", help="time the step in this process (one rank) instead")
+    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; no budget verdict)")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.steps = 2, 20
     if args.local:
         local(args.rounds, args.steps)
         return

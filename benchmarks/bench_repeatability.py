@@ -164,7 +164,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the fits (default: torch's own)")
     parser.add_argument("--conditions", default="quiet,hog", help="which conditions to run (default quiet,hog)")
     parser.add_argument("--json", help="write every run's figures here")
+    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; no budget verdict)")
     args = parser.parse_args()
+    if args.smoke:
+        args.runs, args.calibration, args.rounds, args.conditions = 1, 1, 4, "quiet"
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")

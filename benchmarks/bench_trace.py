@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pytest_torchperf.baseline import observe
 from pytest_torchperf.options import parse_options
 from pytest_torchperf.trace import StepTrace
-from pytest_torchperf.watch import _watching
+from pytest_torchperf.watch import watching
 
 try:
     import pytorch_lightning as pl
@@ -79,7 +79,7 @@ def plain_loop(run) -> None:
 def run_once(body: Callable, variant: str, tmp: str) -> tuple[float, int]:
     start = time.perf_counter()
     size = 0
-    with _watching(parse_options({})) as run:
+    with watching(parse_options({})) as run:
         recorder = StepTrace() if variant != "watched" else None
         if recorder:
             recorder.start()
@@ -99,7 +99,10 @@ def run_once(body: Callable, variant: str, tmp: str) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; no budget verdict)")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds = 2
     torch.set_num_threads(1)
     import logging
 

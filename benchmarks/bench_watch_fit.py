@@ -70,7 +70,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; no budget verdict)")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds = 2
 
     import logging
 

@@ -128,7 +128,7 @@ def _check_layout() -> str:
 
 def _subclasses(tp: type) -> list[type]:
     out: list[type] = []
-    todo = list(type.__subclasses__(tp))
+    todo: list[type] = list(type.__subclasses__(tp))
     while todo:
         sub = todo.pop()
         if sub in out:
@@ -208,10 +208,9 @@ class SlotGuard:
         for cls in [self.tp] + _subclasses(self.tp):
             if not cls.__flags__ & _HEAPTYPE:
                 continue
-            saved = self._saved.get(cls)
-            own = saved is not None
-            if not own:
-                saved = self._saved[self.tp]
+            found = self._saved.get(cls)
+            own = found is not None
+            saved = found if found is not None else self._saved[self.tp]
             sequence = _table(cls, _AS_SEQUENCE)
             for name in names:
                 if not own and _overrides(cls, self.tp, name):

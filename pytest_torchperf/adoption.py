@@ -16,20 +16,29 @@ made), and passes in what it knows about a test; nothing here imports the plugin
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Generator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Sequence
 
 import pytest
 
-from . import baseline, github, trace
-from .report import InvariantViolation, Report
+from ._lazy import lazy_module
+from .constants import TRACE_STEPS
+
+if TYPE_CHECKING:
+    from . import baseline, github, trace
+    from .report import Report
+else:  # loaded when a session uses them: an unmarked session pays nothing for them
+    baseline = lazy_module("pytest_torchperf.baseline")
+    github = lazy_module("pytest_torchperf.github")
+    trace = lazy_module("pytest_torchperf.trace")
+_report = lazy_module("pytest_torchperf.report")
 
 __all__ = ["ANNOTATIONS", "add_options", "add_ini", "configure", "judge", "attach"]
 
 #: ``--torchperf-annotations`` values.
 ANNOTATIONS = ("auto", "on", "off")
 
-_BASELINE = pytest.StashKey[Optional[baseline.Baseline]]()
-_TRACE = pytest.StashKey[Optional[trace.StepTrace]]()
+_BASELINE = pytest.StashKey["Optional[baseline.Baseline]"]()
+_TRACE = pytest.StashKey["Optional[trace.StepTrace]"]()
 _TRACE_DIR = pytest.StashKey[str]()
 
 
@@ -61,7 +70,7 @@ def add_options(group: Any, annotations_type: Callable[[str], str]) -> None:
         "--torchperf-trace",
         metavar="DIR",
         default=None,
-        help=f"write a torch.profiler Chrome trace of the first {trace.STEPS} optimizer steps of each test failing "
+        help=f"write a torch.profiler Chrome trace of the first {TRACE_STEPS} optimizer steps of each test failing "
         "on a finding, findings marked, into DIR (ini: torchperf_trace)",
     )
 
@@ -123,7 +132,7 @@ def _attach_findings(
     if not observations:
         return
     report.torchperf_findings = [obs.to_dict() for obs in observations]  # type: ignore[attr-defined]
-    report.torchperf_failed_on_findings = isinstance(exc, InvariantViolation)  # type: ignore[attr-defined]
+    report.torchperf_failed_on_findings = isinstance(exc, _report.InvariantViolation)  # type: ignore[attr-defined]
     if report.passed:  # known, report-only or baseline update: the report stays at hand (-rP, JUnit)
         text = "\n\n".join(run.render() for run in runs if not run.passed)
         report.sections.append(("torchperf: broken invariants that did not fail the test", text))
@@ -136,7 +145,7 @@ def _attach_trace(
     if recorder is None:
         return
     item.stash[_TRACE] = None
-    if not (isinstance(exc, InvariantViolation) and report.failed):
+    if not (isinstance(exc, _report.InvariantViolation) and report.failed):
         recorder.discard()
         return
     directory = item.config.stash[_TRACE_DIR]
@@ -276,7 +285,9 @@ class _Adoption:
         if self.annotate:
             found = [(n, o, level, note, fb) for n, o, level, note, fb in self._levels()]
             workspace = os.environ.get("GITHUB_WORKSPACE") or None
-            for annotation in github.annotations(found, rootdir=str(self.config.rootpath), workspace=workspace):
+            for annotation in github.annotations(  # type: ignore[operator]  # (mypy sees __future__.annotations)
+                found, rootdir=str(self.config.rootpath), workspace=workspace
+            ):
                 tr.write_line(annotation.text())
 
     def _baseline_summary(self, tr: Any) -> None:

@@ -9,11 +9,12 @@ imports torch.
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
+
+from .errors import UsageError, suggest
 
 __all__ = [
     "Argument",
@@ -27,16 +28,6 @@ __all__ = [
     "UsageError",
     "suggest",
 ]
-
-
-class UsageError(ValueError):
-    """A torchperf marker, fixture or option was given an argument it does not accept."""
-
-
-def suggest(word: str, choices: Sequence[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices``, else an empty string."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _type_name(value: Any) -> str:
@@ -91,7 +82,7 @@ class Integer(ArgumentKind):
     optional: bool = True
 
     @property
-    def json_type(self) -> Any:  # type: ignore[override]
+    def json_type(self) -> Any:
         return ["integer", "null"] if self.optional else "integer"
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:
@@ -133,7 +124,7 @@ class Number(ArgumentKind):
     unit: str = ""
 
     @property
-    def json_type(self) -> Any:  # type: ignore[override]
+    def json_type(self) -> Any:
         return ["number", "null"] if self.optional else "number"
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:
@@ -165,7 +156,7 @@ class Fraction(ArgumentKind):
     optional: bool = False
 
     @property
-    def json_type(self) -> Any:  # type: ignore[override]
+    def json_type(self) -> Any:
         return ["number", "null"] if self.optional else "number"
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:
@@ -190,7 +181,7 @@ class Choice(ArgumentKind):
     optional: bool = False
 
     @property
-    def json_type(self) -> Any:  # type: ignore[override]
+    def json_type(self) -> Any:
         return ["string", "null"] if self.optional else "string"
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:

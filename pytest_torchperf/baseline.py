@@ -210,7 +210,7 @@ def observe(report: Report) -> list[Observation]:
                 continue
             site = finding.sites[0] if finding.sites else None
             frame = site.frame if site is not None else None
-            if frame is None:
+            if frame is None or site is None:
                 obs = Observation(name, title=finding.title, count=check.count)
             else:
                 path, line = _split_location(frame.location())

@@ -193,6 +193,19 @@ class Check:
     def __init__(self, run: "Run") -> None:
         self.run = run
 
+    @property
+    def settings(self) -> Any:
+        """This invariant's settings, a frozen object (``self.settings.max_syncs_per_step``)."""
+        own = self.__dict__.get("_settings")
+        if own is None:
+            name = self.name or getattr(self.run, "_building", "")
+            own = self.__dict__["_settings"] = self.run.options.settings(name)
+        return own
+
+    @settings.setter
+    def settings(self, value: Any) -> None:  # a check of today's API may keep its own ``settings``
+        self.__dict__["_settings"] = value
+
     def result(self) -> CheckResult:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -289,7 +302,7 @@ class Run:
             try:
                 handler(*args)
             except Exception as exc:  # noqa: BLE001 - see notify()
-                self.check_failed(getattr(handler.__self__, "name", "?"), exc)
+                self.check_failed(getattr(getattr(handler, "__self__", None), "name", "?"), exc)
 
     def check_failed(self, name: str, exc: BaseException) -> None:
         """A check's own code raised while handling an event: its verdict becomes "not checked"."""
@@ -363,12 +376,14 @@ class Run:
             broken.append((f"check {name}", own))
         if not broken:
             try:
-                return check.result()
+                result: CheckResult = check.result()
+                return result
             except Exception as exc:  # noqa: BLE001 - a torchperf bug must not decide the test
                 broken.append((f"check {name}", f"{type(exc).__name__}: {exc}"))
         where, message = broken[0]
         what = where if where.startswith("check ") else f"probe {where}"
-        return CheckResult(name, NOT_CHECKED, f"torchperf internal error in {what}: {message}; the check is not checked")
+        summary = f"torchperf internal error in {what}: {message}; the check is not checked"
+        return CheckResult(name, NOT_CHECKED, summary)
 
     def __repr__(self) -> str:
         state = "active" if self._active else ("finished" if self.report else "idle")

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
-from .baseline import Observation
+if TYPE_CHECKING:
+    from .baseline import Observation
 
 __all__ = ["Annotation", "escape_data", "escape_property", "workflow_command", "annotations", "enabled"]
 
@@ -88,7 +89,7 @@ def _relative(path: str, roots: Iterable[Optional[str]]) -> str:
     return real.replace(os.sep, "/")
 
 
-def annotations(
+def annotations(  # type: ignore[no-redef,unused-ignore]  # the name is also the __future__ feature
     findings: Iterable[tuple[str, Observation, str, str, Optional[tuple[str, int]]]],
     *,
     rootdir: str,

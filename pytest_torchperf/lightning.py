@@ -237,7 +237,7 @@ class ObservedCall:
             OBSERVER.trainers.append(call.trainer)
             local.callback(OBSERVER.trainers.pop)
             OBSERVER.calls.append(call)
-            local.callback(OBSERVER.calls.pop)
+            local.callback(OBSERVER.calls.pop)  # type: ignore[arg-type]
             for run in self.runs:
                 run.notify("on_trainer_call", call.kind, call.trainer, model)
             if call.kind == "fit" and model is not None:

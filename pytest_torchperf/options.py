@@ -12,16 +12,26 @@ from typing import Any, Mapping
 
 from . import registry
 from .arguments import UsageError, suggest
+from .constants import (  # noqa: F401 - read from here by the invariants
+    OVERHEAD_INCONCLUSIVE,
+    OVERHEAD_MAX_ROUNDS,
+    OVERHEAD_MIN_ROUNDS,
+    OVERHEAD_ROUNDS,
+)
+from .declarations import make_settings
 from .registry import SCOPES
 
-__all__ = ["SCOPES", "Options", "UsageError", "parse_options", "describe_options"]
-
-#: ``overhead_rounds``: default, and the range it accepts (fewer than 4 rounds cannot bound a median).
-OVERHEAD_ROUNDS = 10
-OVERHEAD_MIN_ROUNDS = 4
-OVERHEAD_MAX_ROUNDS = 1000
-#: ``overhead_inconclusive``: what a ``max_overhead`` verdict that is neither a pass nor a fail does to the test.
-OVERHEAD_INCONCLUSIVE = ("fail", "skip", "warn")
+__all__ = [
+    "OVERHEAD_INCONCLUSIVE",
+    "OVERHEAD_MAX_ROUNDS",
+    "OVERHEAD_MIN_ROUNDS",
+    "OVERHEAD_ROUNDS",
+    "SCOPES",
+    "Options",
+    "UsageError",
+    "describe_options",
+    "parse_options",
+]
 
 
 class Options:
@@ -47,6 +57,12 @@ class Options:
 
     def __getattr__(self, name: str) -> Any:  # only called for names that are not set
         raise AttributeError(f"Options has no argument {name!r}{suggest(name, list(vars(self)))}")
+
+    def settings(self, invariant: str) -> Any:
+        """The frozen settings object of ``invariant`` (``options.settings("min_workers").min_workers_allowed``)."""
+        declared = registry.get(invariant)
+        values = vars(self)
+        return make_settings(declared, {plain: values[key] for plain, key in registry.setting_keys(declared).items()})
 
     def to_dict(self) -> dict[str, Any]:
         """Every argument and its value, in the marker's order."""
@@ -94,13 +110,21 @@ def parse_options(
         raise UsageError(
             f"{where} takes keyword arguments only, got positional {args[0]!r}; allowed arguments: {allowed}"
         )
+    keys: dict[str, str] = {}
     for name in kwargs:
-        if name not in arguments:
+        try:
+            key = registry.spelling(name)
+        except UsageError as exc:
+            raise UsageError(f"{where}: {exc}") from None
+        if key is None:
             raise UsageError(
                 f"{where} got an unknown argument {name!r}{suggest(name, list(arguments))}; "
                 f"allowed arguments: {allowed}"
             )
-    values = {name: arguments[name][0].validate(value, where) for name, value in kwargs.items()}
+        if key in keys.values():
+            raise UsageError(f"{where} got argument {key!r} twice (as {name!r} too)")
+        keys[name] = key
+    values = {keys[name]: arguments[keys[name]][0].validate(value, where) for name, value in kwargs.items()}
     return Options(**values)
 
 

@@ -107,7 +107,7 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        loader = spec.loader
+        loader: Any = spec.loader
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         callbacks = self.pending.pop(fullname)
@@ -200,7 +200,7 @@ class Patcher:
             if isinstance(own, classmethod):
                 own.__get__(None, cls)(**kwargs)
             else:
-                super(owner, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
+                super(owner, cls).__init_subclass__(**kwargs)  # type: ignore[misc,arg-type,unused-ignore]
             try:
                 guard.adopt(cls)
             except Exception:  # noqa: BLE001 - a class must always be creatable

@@ -19,29 +19,41 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import adoption, baseline, project, ranks, results, stacks
-from .arguments import UsageError
-from .core import Run
-from .options import OVERHEAD_ROUNDS, Options, describe_options, parse_options
-from .report import FAILED, INCONCLUSIVE, NOT_CHECKED, Block, Inconclusive, InvariantViolation, Report, settle
+from . import adoption, project
+from ._lazy import lazy_module
+from .constants import OVERHEAD_ROUNDS
+from .errors import UsageError
 from .settings import Settings, add_options, apply_threads, resolve_settings, session_defaults
 from .text import plural
-from .timing import ParityResult, parity
-from .watch import stop as _stop_run
-from .watch import watching
+
+if TYPE_CHECKING:
+    from . import baseline, results, stacks
+    from .core import Run
+    from .options import Options
+    from .report import Report
+    from .timing import ParityResult
+else:  # loaded when the first test is watched (or a report needs them): an unmarked session pays nothing
+    baseline = lazy_module("pytest_torchperf.baseline")
+    results = lazy_module("pytest_torchperf.results")
+    stacks = lazy_module("pytest_torchperf.stacks")
+_options = lazy_module("pytest_torchperf.options")
+_report = lazy_module("pytest_torchperf.report")
+_timing = lazy_module("pytest_torchperf.timing")
+_watch = lazy_module("pytest_torchperf.watch")
 
 MARKER = "torchperf"
 #: Environment variable naming the file lock that serialises timed sections across xdist workers.
 TIMING_LOCK_ENV = "PYTEST_TORCHPERF_TIMING_LOCK"
 
-_OPTIONS = pytest.StashKey[Optional[Options]]()
+_OPTIONS = pytest.StashKey["Optional[Options]"]()
 _RUNS = pytest.StashKey["list[tuple[str, Any]]"]()  # (source, a Run or a _Comparison)
 _SETTINGS = pytest.StashKey["Settings"]()
 _SKIPPED = pytest.StashKey[bool]()  # the test was skipped for an inconclusive verdict
+_PROJECT = pytest.StashKey[bool]()  # the project's packages are known to the frame classifier
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -63,18 +75,9 @@ class _XdistController:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    try:
-        signature = describe_options()  # loads the invariants, other packages' too: a broken one is named here
-    except UsageError as exc:
-        raise pytest.UsageError(str(exc)) from None
-    config.addinivalue_line(
-        "markers",
-        f"{MARKER}({signature}): watch the test body and fail the test when a "
-        "PyTorch/Lightning performance invariant breaks (see the pytest-torchperf README).",
-    )
+    config.addinivalue_line("markers", _marker_help(config))
     settings = config.stash[_SETTINGS] = resolve_settings(config)
-    stacks.set_display_root(str(config.rootpath))
-    _count_user_packages(config, settings)
+    config.stash[_PROJECT] = False  # read when the first test is watched (see _know_the_project)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         lock = workerinput.get("torchperf_timing_lock")
@@ -89,12 +92,50 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_Recorder(config, settings), "torchperf-recorder")
 
 
-def _count_user_packages(config: pytest.Config, settings: Settings) -> None:
-    """Tell the frame classifier which installed packages are the user's (restored when the session ends)."""
+def _marker_help(config: pytest.Config) -> str:
+    """The marker's line: with every invariant's signature for ``pytest --markers``, else a short one.
+
+    Building the signature loads every invariant (other packages' too: a broken one is named here), so
+    only ``--markers`` pays for it; any other session loads them when its first test is watched.
+    """
+    signature = "**invariants"
+    if getattr(config.option, "markers", False):
+        try:
+            signature = _options.describe_options()
+        except UsageError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    return (
+        f"{MARKER}({signature}): watch the test body and fail the test when a "
+        "PyTorch/Lightning performance invariant breaks (see the pytest-torchperf README)."
+    )
+
+
+def _judged_elsewhere() -> bool:
+    """A rank process re-running the session (see :func:`pytest_torchperf.ranks.child.judged_elsewhere`)."""
+    from .ranks.child import judged_elsewhere
+
+    return judged_elsewhere()
+
+
+def _know_the_project(config: pytest.Config) -> None:
+    """Before the first watch: the display root, and which installed packages are the user's.
+
+    Deferred from configure (reading the project's metadata costs every session that never watches);
+    restored when the session ends.
+    """
+    if config.stash.get(_PROJECT, True):
+        return
+    config.stash[_PROJECT] = True
+    stacks.set_display_root(str(config.rootpath))
+    settings = config.stash[_SETTINGS]
     named_by = "--torchperf-user-packages" if config.getoption("torchperf_user_packages") else "torchperf_user_packages"
     packages = project.user_packages(str(config.rootpath), settings.user_packages, named_by)
     previous = stacks.classify.set_user_packages(packages)
-    config.add_cleanup(lambda: stacks.classify.set_user_packages(previous))
+
+    def restore() -> None:
+        stacks.classify.set_user_packages(previous)
+
+    config.add_cleanup(restore)
 
 
 # -- watching a test ------------------------------------------------------------------------
@@ -111,9 +152,9 @@ def _marker_options(item: pytest.Item) -> Optional[Options]:
     merged: dict[str, Any] = _session_defaults(item.config)
     # iter_markers yields the closest marker first: apply farthest first so closer ones win.
     for mark in reversed(marks):
-        parse_options(mark.kwargs, args=mark.args, where=f"@pytest.mark.{MARKER}")
+        _options.parse_options(mark.kwargs, args=mark.args, where=f"@pytest.mark.{MARKER}")
         merged.update(mark.kwargs)
-    return parse_options(merged, where=f"@pytest.mark.{MARKER}")
+    return _options.parse_options(merged, where=f"@pytest.mark.{MARKER}")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -122,12 +163,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     item.stash[_OPTIONS] = None
     try:
         options = _marker_options(item)
-    except UsageError as exc:
+    except UsageError as exc:  # a wrong argument, or a plug-in that fails to load (named)
         error = str(exc)
     else:
         item.stash[_OPTIONS] = options
         return
-    pytest.fail(f"pytest-torchperf: {error}", pytrace=False)
+    prefix = "" if error.startswith("pytest-torchperf: ") else "pytest-torchperf: "
+    pytest.fail(f"{prefix}{error}", pytrace=False)
 
 
 def _is_watched(item: pytest.Item) -> bool:
@@ -139,7 +181,7 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
     """Fail the test on a broken invariant, unless the session only reports or the baseline knows it;
     skip it or warn for an inconclusive one, as ``overhead_inconclusive`` says."""
     assert report is not None
-    if ranks.judged_elsewhere():
+    if _judged_elsewhere():
         return  # a rank process re-running the session: its launcher judges
     settings = item.config.stash[_SETTINGS]
     fail = not (settings.report_only or settings.baseline_update)
@@ -150,8 +192,8 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
                 raise baseline.KnownFindingsViolation(report, comparison)
             fail = False  # every finding is one the baseline knows
     try:
-        settle(report, fail=fail)
-    except Inconclusive as exc:
+        _report.settle(report, fail=fail)
+    except _report.Inconclusive as exc:
         item.stash[_SKIPPED] = True
         pytest.skip(str(exc))
 
@@ -161,10 +203,11 @@ def _torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def _require_torch() -> None:
+def _require_torch(config: pytest.Config) -> None:
     """Watching needs torch: without it, a clear failure rather than an ImportError from deep inside."""
     if not _torch_installed():
         pytest.fail("pytest-torchperf: watching a test needs torch, which is not installed", pytrace=False)
+    _know_the_project(config)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -172,8 +215,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     options = item.stash.get(_OPTIONS, None)
     if options is None:
         return (yield)
-    _require_torch()
-    with watching(options) as run:
+    _require_torch(item.config)
+    with _watch.watching(options) as run:
         item.stash[_RUNS].append(("marker", run))
         result = yield
     assert run.report is not None
@@ -208,13 +251,14 @@ class TorchperfFailure:
         message = comparison.summary_line() if comparison is not None else report.summary_line()
         self.reprcrash = _Crash(path, (lineno or 0) + 1, message)
 
-    def _blocks(self) -> list[Block]:
+    def _blocks(self) -> list[Any]:
         blocks = self.report.blocks(self.verbose)
         if self.comparison is not None:
             lines = [self.comparison.summary_line()]
-            blocks = [Block(None, lines), Block("torchperf: baseline", self.comparison.lines())] + blocks
+            baseline_block = _report.Block("torchperf: baseline", self.comparison.lines())
+            blocks = [_report.Block(None, lines), baseline_block] + blocks
         if self.notes:
-            blocks.append(Block(None, list(self.notes)))
+            blocks.append(_report.Block(None, list(self.notes)))
         return blocks
 
     def toterminal(self, tw: Any) -> None:
@@ -255,11 +299,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.skipped and item.stash.get(_SKIPPED, False) and isinstance(report.longrepr, tuple):
         path, lineno = item.reportinfo()[:2]  # the skip is the test's, not this plugin's line
         report.longrepr = (os.fspath(path), (lineno or 0) + 1, report.longrepr[2])
-    if isinstance(exc, InvariantViolation) and report.failed:
+    if report.failed and isinstance(exc, _report.InvariantViolation):
         verbose = (item.config.getoption("verbose", 0) or 0) > 0
         report.longrepr = TorchperfFailure(exc.report, item, verbose, getattr(exc, "comparison", None))
     finished = [run.report for _, run in item.stash.get(_RUNS, []) if run.report is not None]
-    adoption.attach(item, report, exc, finished)
+    if finished or _is_watched(item):
+        adoption.attach(item, report, exc, finished)
     return report
 
 
@@ -285,7 +330,7 @@ class _Recorder:
         return getattr(self.config, "workerinput", None) is not None
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self._is_worker or not self.settings.json_path or ranks.judged_elsewhere():
+        if self._is_worker or not self.settings.json_path or _judged_elsewhere():
             return  # a rank process re-running the session (Lightning's ddp) leaves the JSON to its launcher
         env: dict[str, Any] = results.environment(results.device_info())
         env["xdist_workers"] = getattr(self.config.option, "numprocesses", None) or 0
@@ -297,13 +342,16 @@ class _Recorder:
             return
         tr = terminalreporter
         verbose = (self.config.getoption("verbose", 0) or 0) > 0
-        rank = os.environ.get("LOCAL_RANK", "?") if ranks.judged_elsewhere() else None
-        tr.write_sep("=", "torchperf summary" if rank is None else f"torchperf summary of rank process {rank} (reported to its launcher, which judges)")
+        rank = os.environ.get("LOCAL_RANK", "?") if _judged_elsewhere() else None
+        title = "torchperf summary"
+        if rank is not None:
+            title = f"torchperf summary of rank process {rank} (reported to its launcher, which judges)"
+        tr.write_sep("=", title)
         broken: dict[str, int] = {}
         unsure: dict[str, int] = {}
         for test in self.tests:
-            failed = [name for name, c in test["checks"].items() if c["status"] == FAILED]
-            doubtful = [name for name, c in test["checks"].items() if c["status"] == INCONCLUSIVE]
+            failed = [name for name, c in test["checks"].items() if c["status"] == "failed"]
+            doubtful = [name for name, c in test["checks"].items() if c["status"] == "inconclusive"]
             for name in failed:
                 broken[name] = broken.get(name, 0) + 1
             for name in doubtful:
@@ -319,7 +367,7 @@ class _Recorder:
             for run in test["runs"]:
                 parts = []
                 for name, check in run["checks"].items():
-                    if check["status"] == NOT_CHECKED:
+                    if check["status"] == "not checked":
                         parts.append(f"{name}: not checked" + (f" ({check['summary']})" if verbose else ""))
                     else:
                         parts.append(f"{name}: {check['status']} ({check['summary']})")
@@ -374,10 +422,11 @@ class TorchperfFixture:
         fails the test with the torchperf report (unless the session runs with
         ``--torchperf-report-only``); ``run.report`` holds the verdicts.
         """
-        parse_options(kwargs, where="torchperf.watch()")  # the caller's own mistakes, named as theirs
-        options = parse_options({**_session_defaults(self._item.config), **kwargs}, where="torchperf.watch()")
-        _require_torch()
-        with watching(options) as run:
+        _options.parse_options(kwargs, where="torchperf.watch()")  # the caller's own mistakes, named as theirs
+        defaults = _session_defaults(self._item.config)
+        options = _options.parse_options({**defaults, **kwargs}, where="torchperf.watch()")
+        _require_torch(self._item.config)
+        with _watch.watching(options) as run:
             self._open.append(run)
             self._item.stash.setdefault(_RUNS, []).append(("fixture", run))
             try:
@@ -411,7 +460,7 @@ class TorchperfFixture:
         """
         if inconclusive is None:
             inconclusive = self._item.config.stash[_SETTINGS].overhead_inconclusive or "fail"
-        result = parity(
+        result = _timing.parity(
             candidate,
             baseline,
             max_overhead=max_overhead,
@@ -439,7 +488,7 @@ class TorchperfFixture:
     def _close(self) -> None:
         """Stop runs the test left open (a watch entered by hand and never exited)."""
         while self._open:
-            _stop_run(self._open.pop())
+            _watch.stop(self._open.pop())
 
 
 @pytest.fixture

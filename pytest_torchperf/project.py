@@ -16,14 +16,15 @@ validates names given by the user.
 
 from __future__ import annotations
 
-import configparser
 import os
 import re
 import sys
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from .arguments import UsageError, suggest
-from .stacks import UserPackage, package_locations
+from .errors import UsageError, suggest
+
+if TYPE_CHECKING:
+    from .stacks import UserPackage
 
 __all__ = ["check_names", "import_packages", "project_name", "user_packages"]
 
@@ -34,7 +35,7 @@ _NAME_LINE = re.compile(r"""^\s*name\s*=\s*["']([^"']+)["']""")
 def _toml_project_name(text: str) -> Optional[str]:
     """``[project] name`` of a pyproject.toml (tomllib where there is one, else a small line reader)."""
     try:
-        import tomllib  # type: ignore[import-not-found]  # Python 3.11+
+        import tomllib  # type: ignore[import-not-found,unused-ignore]  # Python 3.11+
     except ImportError:  # pragma: no cover - Python 3.9/3.10
         tomllib = None
     if tomllib is not None:
@@ -70,6 +71,8 @@ def project_name(rootdir: str) -> Optional[tuple[str, str]]:
             return name, "pyproject.toml"
     setup_cfg = os.path.join(rootdir, "setup.cfg")
     if os.path.isfile(setup_cfg):
+        import configparser  # only for a project that has a setup.cfg
+
         parser = configparser.ConfigParser()
         try:
             parser.read(setup_cfg, encoding="utf-8")
@@ -154,6 +157,8 @@ def check_names(names: Sequence[str], where: str) -> tuple[str, ...]:
             fixed = re.sub(r"[^A-Za-z0-9_.]", "_", name)
             hint = f" (did you mean {fixed!r}?)" if _IMPORT_NAME.match(fixed) else ""
             raise UsageError(f"pytest-torchperf: {where} entry {name!r} is not an import name like 'mypkg' or 'mypkg.sub'{hint}")
+        from .stacks import package_locations
+
         if name not in sys.modules and not package_locations(name):
             known = sorted(set(_importable_names()))
             raise UsageError(
@@ -174,6 +179,8 @@ def _importable_names() -> list[str]:
 
 def user_packages(rootdir: str, named: Sequence[str] = (), named_by: str = "torchperf_user_packages") -> list[UserPackage]:
     """The user's packages: the rootdir project's import packages, then the ones ``named`` in the settings."""
+    from .stacks import UserPackage
+
     out: list[UserPackage] = []
     declared = project_name(rootdir)
     if declared is not None:

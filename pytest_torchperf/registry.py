@@ -23,12 +23,14 @@ by name, so this module imports none of them, and nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
-from .arguments import Argument, ArgumentKind, Choice, Flag, UsageError
+from .arguments import Argument, ArgumentKind, Choice, Flag, UsageError, suggest
+from .declarations import QUALIFIER, validate_declaration
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -43,13 +45,13 @@ __all__ = [
     "options_schema",
     "probes_for",
     "register",
+    "spelling",
     "unregister",
 ]
 
 ENTRY_POINT_GROUP = "pytest_torchperf.invariants"
 
-#: Where the step checks apply.
-SCOPES = ("training_step", "batch", "test")
+from .constants import SCOPES  # noqa: E402 - where the step checks apply
 
 #: The argument every run has: where the step checks apply.
 SCOPE = Argument(
@@ -80,7 +82,7 @@ BUILTIN = (
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.
-_RESERVED = frozenset(("enabled_checks", "to_dict", "replace", "values"))
+_RESERVED = frozenset(("enabled_checks", "to_dict", "replace", "values", "settings"))
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,9 @@ class Invariant:
     probes: tuple[Any, ...] = ()
     #: Quoted in the error message of a wrong value (``"the fewest DataLoader workers"``).
     meaning: str = ""
+    #: A frozen dataclass whose fields are the ``arguments`` (their values as ``Check.settings``);
+    #: None: one is made from the declarations.
+    settings: Optional[type] = None
 
     @property
     def argument(self) -> Argument:
@@ -124,6 +129,8 @@ class _Registry:
         self._invariants: Optional[dict[str, Invariant]] = None
         self._extra: dict[str, Invariant] = {}
         self._arguments: Optional[dict[str, tuple[Argument, Optional[Invariant]]]] = None
+        self._spellings: dict[str, str] = {}
+        self._ambiguous: dict[str, list[str]] = {}
 
     def invariants(self) -> dict[str, Invariant]:
         if self._invariants is None:
@@ -140,23 +147,58 @@ class _Registry:
         return out
 
     def arguments(self) -> dict[str, tuple[Argument, Optional[Invariant]]]:
-        """Every argument, in the marker's order: the invariants, ``scope``, then their settings."""
+        """Every argument, in the marker's order: the invariants, ``scope``, then their settings.
+
+        A setting's key is its plain name when it owns it (the only declarer, or the one built-in
+        declarer among plug-ins), else ``<invariant>__<setting>`` (see :func:`spelling`).
+        """
         if self._arguments is None:
             invariants = self.invariants()
             args: dict[str, tuple[Argument, Optional[Invariant]]] = {}
             for inv in invariants.values():
                 args[inv.name] = (inv.argument, inv)
             args[SCOPE.name] = (SCOPE, None)
+            declared: dict[str, list[Invariant]] = {}
             for inv in invariants.values():
                 for arg in inv.arguments:
-                    if arg.name in args:
+                    declared.setdefault(arg.name, []).append(inv)
+            spellings: dict[str, str] = {}
+            ambiguous: dict[str, list[str]] = {}
+            for inv in invariants.values():
+                builtin = inv.name in BUILTIN
+                for arg in inv.arguments:
+                    qualified = f"{inv.name}{QUALIFIER}{arg.name}"
+                    owners = declared[arg.name]
+                    builtins = [o for o in owners if o.name in BUILTIN]
+                    if builtin and (arg.name in args or len(builtins) > 1):
                         raise UsageError(
                             f"pytest-torchperf: invariant {inv.name!r} declares argument {arg.name!r}, "
                             "which another invariant already declares"
                         )
-                    args[arg.name] = (arg, inv)
+                    owns = arg.name not in args and (len(owners) == 1 or builtins == [inv])
+                    if owns:
+                        args[arg.name] = (arg, inv)
+                        spellings[qualified] = arg.name
+                    else:
+                        args[qualified] = (dataclasses.replace(arg, name=qualified), inv)
+                        spellings[qualified] = qualified
+                        if not builtins and arg.name not in args:
+                            ambiguous.setdefault(arg.name, []).append(qualified)
+            self._spellings, self._ambiguous = spellings, ambiguous
             self._arguments = args
         return self._arguments
+
+    def spelling(self, name: str) -> Optional[str]:
+        """The argument key a marker's ``name`` means (None: no argument); a UsageError when ambiguous."""
+        arguments = self.arguments()
+        if name in arguments:
+            return name
+        if name in self._spellings:
+            return self._spellings[name]
+        if name in self._ambiguous:
+            both = " or ".join(self._ambiguous[name])
+            raise UsageError(f"argument {name!r} is declared by more than one plug-in: spell it {both}")
+        return None
 
     def register(self, invariant: Invariant) -> None:
         _validate(invariant, "register()")
@@ -181,6 +223,13 @@ def _validate(invariant: Any, source: str) -> None:
             raise UsageError(f"pytest-torchperf: {source}: {name!r} cannot be an argument name")
     if len(set(names)) != len(names):
         raise UsageError(f"pytest-torchperf: {source}: invariant {invariant.name!r} repeats an argument name")
+    if QUALIFIER in invariant.name or any(QUALIFIER in a.name for a in invariant.arguments):
+        raise UsageError(f"pytest-torchperf: {source}: a name may not contain {QUALIFIER!r} (it spells a namespace)")
+    events: set[str] = set()
+    for ref in invariant.probes:
+        probe = _resolve_probe(ref, f"{source}: invariant {invariant.name!r}")
+        events.update(getattr(probe, "events", ()) or ())
+    validate_declaration(invariant, source, events)
 
 
 def _add(found: dict[str, Invariant], invariant: Any, source: str) -> None:
@@ -197,9 +246,9 @@ def _from_entry_points() -> list[tuple[str, Invariant]]:
     from importlib import metadata
 
     try:
-        selected = metadata.entry_points(group=ENTRY_POINT_GROUP)  # type: ignore[call-arg]
+        selected: Any = metadata.entry_points(group=ENTRY_POINT_GROUP)  # type: ignore[call-arg,unused-ignore]
     except TypeError:  # Python 3.9: a dict of groups
-        selected = metadata.entry_points().get(ENTRY_POINT_GROUP, [])  # type: ignore[attr-defined]
+        selected = metadata.entry_points().get(ENTRY_POINT_GROUP, [])  # type: ignore[attr-defined,arg-type,unused-ignore]
     out: list[tuple[str, Invariant]] = []
     for ep in sorted(selected, key=lambda ep: ep.name):
         dist = getattr(getattr(ep, "dist", None), "name", None)
@@ -232,6 +281,22 @@ def all_arguments() -> dict[str, tuple[Argument, Optional[Invariant]]]:
     return _REGISTRY.arguments()
 
 
+def spelling(name: str) -> Optional[str]:
+    """The argument key a marker argument ``name`` means (``inv__setting`` spellings too), None if none."""
+    return _REGISTRY.spelling(name)
+
+
+def setting_keys(invariant: Invariant) -> dict[str, str]:
+    """``invariant``'s settings: plain name -> its key among the arguments (plain, or ``inv__setting``)."""
+    arguments = all_arguments()
+    out: dict[str, str] = {}
+    for arg in invariant.arguments:
+        owned = arguments.get(arg.name)
+        own = owned is not None and owned[1] is invariant
+        out[arg.name] = arg.name if own else f"{invariant.name}{QUALIFIER}{arg.name}"
+    return out
+
+
 def register(invariant: Invariant) -> None:
     """Register ``invariant`` for this process (a ``conftest.py`` can; packages use the entry point)."""
     _REGISTRY.register(invariant)
@@ -252,6 +317,7 @@ def make_checks(run: Any) -> dict[str, Any]:
     registered = invariants()
     for name in run.options.enabled_checks:
         invariant = registered[name]
+        run._building = name  # ``Check.settings`` inside the check's constructor
         check = invariant.check(run)
         if not getattr(check, "name", None):
             try:
@@ -305,6 +371,30 @@ def _probe(ref: Union[str, Any]) -> Any:
         return _probes.get(ref) or importlib.import_module(f"pytest_torchperf.probes.{ref}").PROBE
     _probes.setdefault(ref.name, ref)
     return ref
+
+
+def _builtin_probe_names() -> list[str]:
+    import pkgutil
+
+    package = importlib.import_module("pytest_torchperf.probes")
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+
+
+def _resolve_probe(ref: Union[str, Any], where: str) -> Any:
+    """The probe ``ref`` names, and every probe it needs; a UsageError with "did you mean" for an unknown one."""
+    if isinstance(ref, str):
+        known = list(_probes) + [n for n in _builtin_probe_names() if n not in _probes]
+        if ref not in known:
+            raise UsageError(
+                f"pytest-torchperf: {where} needs probe {ref!r}, which does not exist{suggest(ref, known)}; "
+                f"probes: {', '.join(known)}"
+            )
+    elif not (isinstance(getattr(ref, "name", None), str) and ref.name and callable(getattr(ref, "install", None))):
+        raise UsageError(f"pytest-torchperf: {where} names {ref!r} as a probe: give a probe name or a Probe")
+    probe = _probe(ref)
+    for needed in getattr(probe, "needs", ()):
+        _resolve_probe(needed, f"{where} (probe {probe.name!r})")
+    return probe
 
 
 #: Probes by name: the built-in ones as they are first needed, third-party ones as invariants name them.

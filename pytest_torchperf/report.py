@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .stacks import Frame, Stack, format_stack, site_of
+from .status import Status
 
 __all__ = [
     "PASSED",
     "FAILED",
     "NOT_CHECKED",
     "INCONCLUSIVE",
+    "Status",
     "Site",
     "Finding",
     "CheckResult",
@@ -29,11 +31,12 @@ __all__ = [
     "settle",
 ]
 
-PASSED = "passed"
-FAILED = "failed"
-NOT_CHECKED = "not checked"
+#: The statuses, as the :class:`Status` members (each a ``str``: ``FAILED == "failed"``).
+PASSED = Status.PASSED
+FAILED = Status.FAILED
+NOT_CHECKED = Status.NOT_CHECKED
 #: A measured verdict that could not be confirmed either way (``max_overhead`` whose interval straddles the threshold).
-INCONCLUSIVE = "inconclusive"
+INCONCLUSIVE = Status.INCONCLUSIVE
 
 #: Without ``-v``, a report shows at most this many findings per invariant and sites per finding.
 MAX_FINDINGS = 5
@@ -141,7 +144,7 @@ class CheckResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "passed": self.status == PASSED,
-            "status": self.status,
+            "status": str(self.status),  # plain str: the data travels from xdist workers
             "summary": self.summary,
             "count": self.count,
             "figures": dict(self.figures),

@@ -18,8 +18,8 @@ from typing import Any, Optional
 import pytest
 
 from . import adoption, project
-from .arguments import UsageError, suggest
-from .options import OVERHEAD_INCONCLUSIVE, SCOPES
+from .constants import OVERHEAD_INCONCLUSIVE, SCOPES
+from .errors import UsageError, suggest
 
 __all__ = ["Settings", "add_options", "apply_threads", "resolve_settings", "session_defaults"]
 

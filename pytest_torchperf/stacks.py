@@ -14,7 +14,8 @@ import site
 import sys
 import sysconfig
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from types import FrameType
+from typing import Optional, Sequence, Tuple, Union
 
 __all__ = [
     "Frame",
@@ -73,7 +74,7 @@ class Frame:
 
 
 #: Outermost frame first, innermost (the event) last.
-Stack = tuple
+Stack = Tuple[Frame, ...]
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class _Classifier:
         path = getattr(module, "__file__", None)
         if not path:
             return None
-        return os.path.dirname(os.path.realpath(path)) + os.sep
+        return os.path.dirname(os.path.realpath(str(path))) + os.sep
 
     def _user_locations(self, package: UserPackage) -> list[str]:
         """Where ``package`` is installed: its known paths and wherever it is importable from now."""
@@ -140,7 +141,7 @@ class _Classifier:
         if module is not None:
             found.extend(getattr(module, "__path__", None) or [])
             if getattr(module, "__file__", None) and not hasattr(module, "__path__"):
-                found.append(module.__file__)
+                found.append(str(module.__file__))
         else:
             found.extend(package_locations(package.name))
         out = []
@@ -163,9 +164,9 @@ class _Classifier:
                     self._user_roots.setdefault(root, package)
         for kind, names in ((TORCH, _TORCH_PACKAGES), (FRAMEWORK, FRAMEWORK_PACKAGES), (PYTEST, _PYTEST_PACKAGES)):
             for name in names:
-                root = self._package_dir(name)
-                if root and root not in self._user_roots:
-                    roots.append((root, kind))
+                package_dir = self._package_dir(name)
+                if package_dir and package_dir not in self._user_roots:
+                    roots.append((package_dir, kind))
         roots.extend((root, USER) for root in self._user_roots)
         # Longest root first, so a package inside another one wins.
         roots.sort(key=lambda item: len(item[0]), reverse=True)
@@ -188,9 +189,9 @@ class _Classifier:
             if d:
                 prefixes.append((os.path.realpath(d) + os.sep, LIBRARY))
         for key in ("stdlib", "platstdlib"):
-            d = sysconfig.get_paths().get(key)
-            if d:
-                prefixes.append((os.path.realpath(d) + os.sep, STDLIB))
+            std = sysconfig.get_paths().get(key)
+            if std:
+                prefixes.append((os.path.realpath(std) + os.sep, STDLIB))
         prefixes.sort(key=lambda item: len(item[0]), reverse=True)
         self._prefixes = prefixes
 
@@ -306,7 +307,7 @@ def capture(skip: int = 1) -> Stack:
     ``skip`` frames are dropped from the inner end (1: this function's caller
     is the innermost frame kept... plus ``capture`` itself).
     """
-    frame = sys._getframe(skip)
+    frame: Optional[FrameType] = sys._getframe(skip)
     frames = []
     while frame is not None:
         frames.append(Frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))

@@ -35,14 +35,17 @@ import json
 import os
 import re
 import tempfile
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from .baseline import Observation
+from .constants import TRACE_STEPS
+
+if TYPE_CHECKING:
+    from .baseline import Observation
 
 __all__ = ["STEPS", "StepTrace", "trace_filename"]
 
 #: Optimizer steps recorded per test.
-STEPS = 4
+STEPS = TRACE_STEPS
 #: At most this many ranges are marked per finding.
 MAX_MARKS = 50
 

@@ -8,12 +8,14 @@
 #   pytest-oldest  Python 3 (this one), torch 2.13.0, pytorch-lightning, the oldest pytest and
 #                  pluggy this plugin supports (PYTEST_OLDEST, PLUGGY_OLDEST), pytest-xdist
 #   python-3.9     the oldest Python supported, the oldest pytest and pluggy, no torch
+#   python-3.10    Python 3.10, the newest pytest, no torch
+#   python-3.12    Python 3.12, the newest pytest, no torch
 #   python-3.13    the newest Python supported, the newest pytest, no torch
 #
 # torch is only installed where a CPU wheel of the pinned version exists locally; the
-# Python 3.9 and 3.13 environments run the torch-free part of the suite.
+# Python 3.9, 3.10, 3.12 and 3.13 environments run the torch-free part of the suite (with _slots).
 #   TORCHPERF_COMPAT_ENVS  where to put them (default: .torchperf-envs/ in the repo)
-#   PYTHON39, PYTHON313    interpreters to use (default: python3.9 / python3.13 on PATH or from pyenv)
+#   PYTHON39, PYTHON310, PYTHON312, PYTHON313   interpreters to use (default: pythonX.Y on PATH or from pyenv)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dest=${TORCHPERF_COMPAT_ENVS:-$root/.torchperf-envs}
@@ -87,7 +89,7 @@ build pytest-oldest "$python" \
   "import torch, pytorch_lightning, pytest, pluggy, pytest_torchperf; assert pytest.__version__ == '$PYTEST_OLDEST'" \
   install_pytest_oldest
 missing=0
-for version in 3.9 3.13; do
+for version in 3.9 3.10 3.12 3.13; do
   if ! interpreter=$(find_python "$version"); then
     echo "compat-envs: no Python $version found (set PYTHON${version/./})" >&2
     missing=1

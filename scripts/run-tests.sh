@@ -3,9 +3,12 @@
 #   .venv/                 torch 2.13.0 (CPU), current pytorch-lightning, pytest, pytest-xdist, this plugin
 #   .torchperf-envs/       pytorch-lightning 1.5.0 and 1.5.1 for the seed-bug integration test, and the
 #                          compatibility environments (scripts/compat-envs.sh)
-# Extra arguments go to pytest. Without any (as CI runs it), the package check
-# (scripts/check-package.sh) and the compatibility runs (scripts/run-compat.sh) run before the
-# suite; TORCHPERF_COMPAT=0 leaves them out.
+# Extra arguments go to pytest. Without any (as CI runs it), the linters (ruff, mypy: configured in
+# pyproject.toml, pinned in the test extras), the package check (scripts/check-package.sh), the
+# compatibility runs (scripts/run-compat.sh) and a smoke run of every benchmark
+# (scripts/run-benchmarks.sh --smoke) run before the suite; TORCHPERF_COMPAT=0 leaves out the package
+# check and the compatibility runs, TORCHPERF_BENCH=0 the benchmarks; the suite then runs on
+# TORCHPERF_WORKERS xdist workers (default 2). `-m "not slow"` is the fast tier (CONTRIBUTING.md).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -17,14 +20,28 @@ bash scripts/legacy-envs.sh
 export TORCHPERF_REQUIRE_LEGACY=1
 status=0
 # The package check and the compatibility runs first, so that the main suite's summary is the last line.
+if [ "$#" -eq 0 ]; then
+  echo; echo "=== ruff check"
+  .venv/bin/ruff check . || status=1
+  echo; echo "=== mypy (strict on the public and extension API modules)"
+  .venv/bin/mypy || status=1
+fi
 if [ "$#" -eq 0 ] && [ "${TORCHPERF_COMPAT:-1}" != 0 ]; then
   echo; echo "=== The package: sdist and wheel, installed in a fresh environment"
   bash scripts/check-package.sh || status=1
   bash scripts/run-compat.sh || status=1
-  echo; echo "=== The test suite"
+fi
+if [ "$#" -eq 0 ] && [ "${TORCHPERF_BENCH:-1}" != 0 ]; then
+  echo; echo "=== Every benchmark, smoke setting"
+  bash scripts/run-benchmarks.sh --smoke || status=1
+fi
+args=("$@")
+if [ "$#" -eq 0 ]; then
+  echo; echo "=== The test suite (${TORCHPERF_WORKERS:-2} xdist workers)"
+  args=(-n "${TORCHPERF_WORKERS:-2}")
 fi
 rc=0
-.venv/bin/python -m pytest "$@" || rc=$?
+.venv/bin/python -m pytest "${args[@]}" || rc=$?
 # 5: no test selected (a -k that matches nothing); not a failure of the suite.
 if [ "$rc" -eq 5 ]; then
   echo "run-tests: pytest selected no test"
@@ -32,6 +49,6 @@ if [ "$rc" -eq 5 ]; then
 fi
 [ "$rc" -eq 0 ] || status=$rc
 if [ "$status" -ne 0 ] && [ "$rc" -eq 0 ]; then
-  echo "run-tests: the suite passed, but the package check or a compatibility run failed (see above)"
+  echo "run-tests: the suite passed, but a linter, the package check, a compatibility run or a benchmark failed (see above)"
 fi
 exit "$status"

@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - the lightning package only
 
 from pytest_torchperf import InvariantViolation, Report, watch
 
+
 def _import_what_compiling_imports() -> None:
     """Compile once, at import: the first torch.compile imports dynamo's backends and inductor's caches.
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-import torchmetrics
 from seed_tips_models import QUIET, trainer
 from step_check_helpers import write_module
 

@@ -16,12 +16,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pl = pytest.importorskip("pytorch_lightning")
 
+from step_check_helpers import batches, report_of, write_module  # noqa: E402
+from test_on_device import LOOP, PATTERNS  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from pytest_torchperf import watch  # noqa: E402
 from pytest_torchperf.report import Report  # noqa: E402
-from step_check_helpers import batches, report_of, write_module  # noqa: E402
-from test_on_device import LOOP, PATTERNS  # noqa: E402
 
 STEP = """
 import torch

@@ -7,15 +7,14 @@ or synthetic epoch times so the file stays fast on two cores.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import random
-import unittest
 import subprocess
 import sys
 import textwrap
 import time
+import unittest
 import warnings
 from typing import Any, Iterator
 

@@ -7,7 +7,6 @@ a known ``path:line``; the report text goes through ``pytester``.
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,14 +17,11 @@ torch = pytest.importorskip("torch")
 pl = pytest.importorskip("pytorch_lightning")
 np = pytest.importorskip("numpy")
 
+from step_check_helpers import batches, report_of, write_module  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from pytest_torchperf import UsageError, parse_options, watch  # noqa: E402
 from pytest_torchperf.report import Report  # noqa: E402
-from step_check_helpers import batches, report_of, write_module  # noqa: E402
-
-
-
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -139,14 +139,24 @@ def test_a_broken_third_party_entry_point_is_a_usage_error_naming_it(
     (dist / "entry_points.txt").write_text(
         "[pytest_torchperf.invariants]\nbroken = no_such_module_anywhere:INVARIANT\n"
     )
-    pytester.makepyfile("def test_nothing():\n    pass\n")
+    pytester.makepyfile(
+        "import pytest\n\ndef test_nothing():\n    pass\n\n"
+        "@pytest.mark.torchperf\ndef test_watched():\n    pass\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(pytester.path / "site"))
-    result = pytester.runpytest_subprocess()
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([
+    named = (
         "*pytest-torchperf: cannot load entry point 'broken' of broken-invariants "
         "(no_such_module_anywhere:INVARIANT): ModuleNotFoundError*"
-    ])
+    )
+    # The invariants load when the first test is watched (start-up pays nothing): its set-up fails naming it.
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=1, errors=1)
+    assert "pytest-torchperf: pytest-torchperf:" not in result.stdout.str()
+    result.stdout.fnmatch_lines([named])
+    # `pytest --markers` lists every invariant: a usage error naming the broken one.
+    result = pytester.runpytest_subprocess("--markers")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([named])
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
 
 

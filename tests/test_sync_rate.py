@@ -18,11 +18,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pl = pytest.importorskip("pytorch_lightning")
 
+from step_check_helpers import report_of, write_module  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from pytest_torchperf import UsageError, parse_options, watch  # noqa: E402
 from pytest_torchperf.report import Report  # noqa: E402
-from step_check_helpers import batches, report_of, write_module  # noqa: E402
 
 LOOP = """
 import torch

@@ -19,12 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from transparency_battery import BEHAVIOURS
 
-from pytest_torchperf import NOT_CHECKED, InvariantViolation, registry, watch
-from pytest_torchperf import _slots
+from pytest_torchperf import NOT_CHECKED, InvariantViolation, _slots, registry, watch
 from pytest_torchperf.core import Run
 from pytest_torchperf.report import Report
-from transparency_battery import BEHAVIOURS
 
 BATTERY = Path(__file__).with_name("transparency_battery.py")
 CONDITIONS = ("in_step", "out_of_step", "after")
@@ -292,8 +291,18 @@ def _watched(fn: Callable[[Any], torch.Tensor], **kwargs: Any) -> tuple[torch.Te
 
 
 def _probe_cases() -> list[Any]:
-    from pytest_torchperf.probes import autocast, cuda_cache, data_parallel, grads, graphs, iterators, loaders
-    from pytest_torchperf.probes import optimizers, syncs, tensors
+    from pytest_torchperf.probes import (
+        autocast,
+        cuda_cache,
+        data_parallel,
+        grads,
+        graphs,
+        iterators,
+        loaders,
+        optimizers,
+        syncs,
+        tensors,
+    )
 
     return [
         pytest.param("tensors", tensors.TensorsProbe, "born", {"on_device": True}, id="tensors"),
@@ -331,8 +340,9 @@ def test_a_probe_that_fails_leaves_the_training_untouched_and_says_so(
 def test_a_lightning_observer_that_fails_leaves_the_fit_untouched(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from pytest_torchperf import lightning
     from fit_helpers import fit
+
+    from pytest_torchperf import lightning
 
     reference = fit(tmp_path / "a")
     _break(monkeypatch, lightning, "_attach_to_fit")

@@ -63,7 +63,7 @@ def sequence_now() -> Callable[[], int]:
     def built() -> int:  # pragma: no cover - torch without _get_sequence_nr: build one node to read it
         with torch.enable_grad():
             probe = torch.zeros((), requires_grad=True)
-            return probe.view_as(probe).grad_fn._sequence_nr() + 1
+            return probe.view_as(probe).grad_fn._sequence_nr() + 1  # type: ignore[union-attr]
 
     return built
 

@@ -49,7 +49,7 @@ def _reader() -> Optional[Callable[[], int]]:
             return None
     except Exception:  # noqa: BLE001 - a broken driver is no device
         return None
-    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    stats = getattr(getattr(torch, "_C", None), "_cuda_memoryStats", None)
     if stats is not None:
         current_device = cuda.current_device
 

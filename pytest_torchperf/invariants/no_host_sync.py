@@ -31,7 +31,16 @@ from ..report import CheckResult, Finding, Site
 from ..stacks import TORCH, TORCHPERF, USER, Frame, Stack, classify
 from ..text import plural
 from ._steps import (
-    DEFAULT_RATE, PerStep, cadence, cadence_text, extent, frequency, periodic_rate, rate, rate_text, step_verdict,
+    DEFAULT_RATE,
+    PerStep,
+    cadence,
+    cadence_text,
+    extent,
+    frequency,
+    periodic_rate,
+    rate,
+    rate_text,
+    step_verdict,
 )
 
 if TYPE_CHECKING:

@@ -295,9 +295,9 @@ class IteratorResetCheck(Check):
             if extra:
                 extra_total += len(extra)
                 findings.append(self._finding(rec, extra))
-        for group, extra in rebuilt:
-            extra_total += len(extra)
-            findings.append(self._rebuilt_finding(group, extra))
+        for group, rebuilt_extra in rebuilt:
+            extra_total += len(rebuilt_extra)
+            findings.append(self._rebuilt_finding(group, rebuilt_extra))
         pools_total = sum(len(r.pools()) for r in with_workers)
         figures = {
             "loaders_with_workers": len(with_workers),

@@ -17,7 +17,8 @@ from .. import lightning
 from ..report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Frame, Stack, capture
 from ..timing import NotMirrored, ParityResult
-from ..timing.stats import fmt_pct, fmt_seconds as _seconds
+from ..timing.stats import fmt_pct
+from ..timing.stats import fmt_seconds as _seconds
 from .attribution import attribution, where_finding
 from .replay import ObservedFit, config_refusals, copy_callbacks, mirrored_config, run_replay, snapshot
 
@@ -133,7 +134,7 @@ class OverheadCheck:
             first = unsure[0]
             summary = first.summary + (f" ({first.fit.label} #{first.fit.index} of {len(outcomes)})" if many else "")
             return CheckResult(NAME, INCONCLUSIVE, summary, 0, findings, figures)
-        summary = worst.summary if timed else "no fit was timed"  # type: ignore[possibly-undefined]
+        summary = worst.summary if timed else "no fit was timed"  # type: ignore[possibly-undefined,unused-ignore]
         if many:
             summary += f" (worst of {len(outcomes)} fits)"
         return CheckResult(NAME, PASSED, summary, 0, [], figures)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 from .. import lightning
+from ..core import suspended
 from ..stacks import Stack
 from ..timing import (
     WARMUP_BATCHES,
@@ -42,7 +43,6 @@ from ..timing import (
 )
 from ..timing.clock import torch_threads_pinned
 from ..timing.vanilla import _autocast_dtype, _module_device
-from ..core import suspended
 
 NAMES = ("Lightning fit", "vanilla loop")
 

@@ -24,7 +24,8 @@ Built-in probes are the modules of this package, each with a ``PROBE``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from .. import core
 
@@ -41,6 +42,9 @@ class Probe:
     name: str = ""
     #: Names of the probes that must be installed before this one.
     needs: tuple[str, ...] = ()
+    #: Events this probe sends beyond :data:`pytest_torchperf.core.EVENTS` (name -> what a handler receives):
+    #: the checks of the invariants that use the probe may define them.
+    events: "Mapping[str, str]" = {}
 
     def __init__(self) -> None:
         #: What this probe could not attach to in this process (feature -> why); reset with the probe.
@@ -163,7 +167,7 @@ def relocate_warnings(patcher: "Patcher") -> None:
     def _showwarnmsg(msg: Any) -> Any:
         try:
             if stacks.classify(msg.filename) == TORCHPERF:
-                f = sys._getframe(1)
+                f: Optional[FrameType] = sys._getframe(1)
                 while f is not None and kind_of(f.f_code) == TORCHPERF:
                     f = f.f_back
                 if f is not None:

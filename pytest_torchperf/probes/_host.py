@@ -180,7 +180,7 @@ class HostRegistry:
     def remember(self, tensor: Any, birth: Birth) -> None:
         key = id(tensor)
         try:
-            ref = weakref.ref(tensor, lambda r, key=key: self._forget(key, r))
+            ref = weakref.ref(tensor, lambda r, key=key: self._forget(key, r))  # type: ignore[misc]
         except TypeError:  # pragma: no cover - a tensor type without weak references
             return
         self.births[key] = (ref, birth)
@@ -264,7 +264,7 @@ class HostRegistry:
         key = id(tensor)
         table = self.loader_tensors
         try:
-            ref = weakref.ref(tensor, lambda r, key=key: table.pop(key, None) if table.get(key) is r else None)
+            ref = weakref.ref(tensor, lambda r, key=key: table.pop(key, None) if table.get(key) is r else None)  # type: ignore[misc]  # noqa: E501
         except TypeError:  # pragma: no cover
             return
         table[key] = ref

@@ -169,11 +169,11 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
 
     def wrap_tensor_operations() -> None:
         for name in BINARY:
-            patcher.wrap(tensor_type, name, lambda original, name=name: binary(name, original))
+            patcher.wrap(tensor_type, name, lambda original, name=name: binary(name, original))  # type: ignore[misc]
         for name in UNARY:
-            patcher.wrap(tensor_type, name, lambda original, name=name: unary(name, original))
+            patcher.wrap(tensor_type, name, lambda original, name=name: unary(name, original))  # type: ignore[misc]
         for name in METHODS:
-            patcher.wrap(tensor_type, name, lambda original, name=name: method(name, original))
+            patcher.wrap(tensor_type, name, lambda original, name=name: method(name, original))  # type: ignore[misc]
 
     # The ``torch`` functions now: in ``torch.triu(torch.ones(n, n))`` the function is looked up before
     # its argument is built. Tensor operations only when the first host tensor built outside torch
@@ -181,7 +181,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
     # nothing to follow, and tensor arithmetic everywhere (optimizers, losses) runs without a wrapper.
     for name in FUNCTIONS:
         if getattr(torch, name, None) is not None:
-            patcher.wrap(torch, name, lambda original, name=name: function(name, original))
+            patcher.wrap(torch, name, lambda original, name=name: function(name, original))  # type: ignore[misc]
     probe.when_traced = wrap_tensor_operations
 
 

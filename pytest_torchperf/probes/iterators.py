@@ -106,7 +106,7 @@ class IteratorsProbe(Probe):
             if own_delattr is not None:
                 own_delattr(self, attr)
             else:
-                super(loader_cls, self).__delattr__(attr)
+                super(loader_cls, self).__delattr__(attr)  # type: ignore[misc]
 
         def shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
             def _shutdown_workers(self: Any) -> None:

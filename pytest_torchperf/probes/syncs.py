@@ -401,13 +401,13 @@ class SyncsProbe(Probe):
             else:
                 make = method
             try:
-                patcher.wrap(tensor_type, name, lambda original, op=op, make=make: make(op, original))
+                patcher.wrap(tensor_type, name, lambda original, op=op, make=make: make(op, original))  # type: ignore[misc]
             except SlotPatchUnsupported as exc:
                 self.unavailable["mask_indexing"] = f"boolean-mask indexing is not watched here: {exc}"
         for name, op in FUNCTIONS.items():
             if getattr(torch, name, None) is not None:
                 make_function = where if name == "where" else function
-                patcher.wrap(torch, name, lambda original, op=op, make=make_function: make(op, original))
+                patcher.wrap(torch, name, lambda original, op=op, make=make_function: make(op, original))  # type: ignore[misc]
         patcher.wrap(F, "one_hot", lambda original: function(ONE_HOT, original))
 
         def module_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -488,7 +488,7 @@ class SyncsProbe(Probe):
 
         def remove_filter() -> None:
             if entry in warnings.filters:
-                warnings.filters.remove(entry)
+                warnings.filters.remove(entry)  # type: ignore[attr-defined]
                 mutated = getattr(warnings, "_filters_mutated", None)
                 if mutated is not None:
                     mutated()

@@ -62,8 +62,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..core import FLAGS
-from . import Probe, accelerator_available, is_compiling_function
-from . import _propagate
+from . import Probe, _propagate, accelerator_available, is_compiling_function
 from ._host import (
     CONVERSIONS,
     DATA,
@@ -178,7 +177,7 @@ class TensorsProbe(HostRegistry, Probe):
             return functools.wraps(original)(convert)
 
         for name in CONVERSIONS:
-            patcher.wrap(tensor_type, name, lambda original, name=name: conversion(name, original))
+            patcher.wrap(tensor_type, name, lambda original, name=name: conversion(name, original))  # type: ignore[misc]
 
         # A real host-to-device copy can only happen where an accelerator is present.
         accelerated = accelerator_available()

@@ -12,25 +12,24 @@ invariant over all of them, each finding labelled with its ranks:
 - :mod:`~pytest_torchperf.ranks.wire` and :mod:`~pytest_torchperf.ranks.merge`:
   the report files and the merged report.
 
-This package registers itself with :mod:`pytest_torchperf.watch` when it is
-imported (the package's ``__init__`` imports it). Nothing here imports torch.
+The engine (:mod:`pytest_torchperf.engine`) loads :data:`EXTENSION` by name
+when the first run starts. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..watch import EXTENSIONS
 from ..core import Run
 from . import launches
 from .child import ENV, judged_elsewhere
 from .merge import RankedReport
 
-__all__ = ["ENV", "RankedReport", "judged_elsewhere"]
+__all__ = ["ENV", "EXTENSION", "RankedReport", "judged_elsewhere"]
 
 
 class _Extension:
-    """The hooks :func:`pytest_torchperf.watch.start` / ``finish`` / ``watch`` call."""
+    """The hooks the engine calls (:class:`pytest_torchperf.engine.Extension`)."""
 
     def install(self, patcher: Any) -> None:
         launches.install(patcher)
@@ -47,5 +46,5 @@ class _Extension:
         return not judged_elsewhere()
 
 
-if not any(isinstance(e, _Extension) for e in EXTENSIONS):
-    EXTENSIONS.append(_Extension())
+#: Multi-process support, as the engine's extension.
+EXTENSION = _Extension()

@@ -24,11 +24,11 @@ def main(argv: list[str]) -> None:
     spec = RankSpec(ctx["dir"], ctx.get("launcher", "torchrun"), list(ctx.get("runs", []))) if ctx else None
     if argv[0] == "-m":
         sys.argv = argv[1:]
-        target, run = argv[1], lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        run = lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)  # noqa: E731
     else:
         sys.argv = list(argv)
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-        target, run = argv[0], lambda: runpy.run_path(argv[0], run_name="__main__")
+        run = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
     if spec is None:  # started by hand: just run it
         run()
         return

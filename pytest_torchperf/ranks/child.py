@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .. import core, lightning, registry
-from ..watch import finish, start, stop
 from ..core import Run
 from ..options import Options
 from ..stacks import TORCHPERF, USER, classify, display_path
+from ..watch import finish, start, stop
 from .wire import VERSION, report_to_data, write_json
 
 __all__ = ["ENV", "ChildRuns", "RankEntry", "RankSpec", "context", "describe_error", "error_of", "judged_elsewhere", "rank_of"]
@@ -104,7 +104,7 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
     """``{"type", "message", "where", "traceback"}``: what ended a rank, pointing at the user's line."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if classify(f.filename) != TORCHPERF]
     user = [f for f in frames if classify(f.filename) == USER]
-    at = (user or frames or [None])[-1]
+    at = (user or frames)[-1] if (user or frames) else None
     where = f"{display_path(at.filename)}:{at.lineno} in {at.name}" if at is not None else ""
     lines = []
     for f in frames[-4:]:

@@ -336,7 +336,7 @@ def _wrap_script_launch(original: Callable[..., Any], launcher: str) -> Callable
             elif ctx is None:
                 key = _SCRIPT.next_key()
                 # A run reports once per rank process: its first ddp launch collects; later ones reuse the ranks.
-                fresh = [run for run in runs if not any(l.launcher in _SCRIPT_NAMES for l in _LAUNCHES.get(run, ()))]
+                fresh = [run for run in runs if not any(launch.launcher in _SCRIPT_NAMES for launch in _LAUNCHES.get(run, ()))]
                 pending = new_launch(launcher, _key_directory(_SCRIPT.session_directory(), key), only=fresh)
                 if pending is not None:
                     pending.expected.update(_live(_SCRIPT.children))
@@ -431,7 +431,7 @@ def _wrap_subprocess_handler(original: Callable[..., Any]) -> Callable[..., Any]
                 key = (env.get("TORCHELASTIC_RUN_ID"), env.get("TORCHELASTIC_RESTART_COUNT"), env.get("GROUP_RANK"))
                 launch = _ELASTIC.get(key)
                 if launch is None or not launch.runs:
-                    launch = _ELASTIC[key] = new_launch("torchrun")
+                    launch = _ELASTIC[key] = new_launch("torchrun")  # type: ignore[assignment]
                 if launch is not None:
                     env[ENV] = launch.spec().to_env("boot")
                     values["env"] = env

@@ -143,7 +143,8 @@ class ParityResult:
         """One line: ``+18.2% over vanilla loop (95% CI +15.0%..+21.1%, 6 rounds) < 30%``."""
         text = f"{fmt_pct(self.overhead)} over {self.baseline.name} ({self._ci()}, {self.rounds} rounds)"
         if self.max_overhead is not None:
-            relation = {PASSED: "<", FAILED: ">", INCONCLUSIVE: "straddles"}[self.verdict or INCONCLUSIVE]
+            relations: dict[str, str] = {PASSED: "<", FAILED: ">", INCONCLUSIVE: "straddles"}
+            relation = relations[self.verdict or INCONCLUSIVE]
             text += f" {relation} {self.max_overhead:.0%}"
         return text
 
@@ -159,11 +160,12 @@ class ParityResult:
         )
         if self.max_overhead is not None:
             threshold = f"the threshold {self.max_overhead:.0%}"
-            over += {
+            endings: dict[str, str] = {
                 PASSED: f": entirely below {threshold}",
                 FAILED: f": entirely above {threshold}",
                 INCONCLUSIVE: f": it includes {threshold}, so this run can neither pass nor fail it",
-            }[self.verdict or INCONCLUSIVE]
+            }
+            over += endings[self.verdict or INCONCLUSIVE]
         lines.append(over)
         shares = (self.candidate.wait_share, self.baseline.wait_share)
         if shares[0] is not None and shares[1] is not None:
@@ -240,7 +242,8 @@ class ParityResult:
 
     def check_result(self, name: str = "max_overhead", *, title: Optional[str] = None) -> CheckResult:
         """This comparison as the verdict of one invariant (for a :class:`Report`)."""
-        status = {PASSED: PASSED, FAILED: FAILED, INCONCLUSIVE: INCONCLUSIVE, None: PASSED}[self.verdict]
+        statuses: dict[Optional[str], str] = {PASSED: PASSED, FAILED: FAILED, INCONCLUSIVE: INCONCLUSIVE, None: PASSED}
+        status = statuses[self.verdict]
         if title is None:
             title = (
                 f"{self.candidate.name} took {fmt_seconds(self.candidate.median)} per epoch vs "

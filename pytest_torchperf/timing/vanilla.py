@@ -57,7 +57,7 @@ def _to_device(obj: Any, device: Any, non_blocking: bool) -> Any:
     if isinstance(obj, Mapping):
         items = [(k, _to_device(v, device, non_blocking)) for k, v in obj.items()]
         try:
-            return type(obj)(items)
+            return type(obj)(items)  # type: ignore[call-arg]
         except TypeError:
             return dict(items)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
@@ -98,7 +98,7 @@ def _single_loader(train_dataloaders: Any) -> Any:
     try:
         from torch.utils.data import DataLoader
     except ImportError:  # pragma: no cover
-        DataLoader = ()  # type: ignore[assignment]
+        DataLoader = ()  # type: ignore[assignment,misc]
     if isinstance(train_dataloaders, Mapping):
         values = list(train_dataloaders.values())
     elif isinstance(train_dataloaders, (list, tuple)):

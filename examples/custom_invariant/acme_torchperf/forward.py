@@ -16,9 +16,7 @@ from __future__ import annotations
 from types import FrameType
 from typing import Any, Optional
 
-from pytest_torchperf import (
-    FAILED,
-    PASSED,
+from pytest_torchperf.extend import (
     Argument,
     Check,
     CheckResult,
@@ -26,9 +24,13 @@ from pytest_torchperf import (
     Flag,
     Integer,
     Invariant,
+    MoveEvent,
+    Run,
     Site,
+    Status,
+    describe_frame,
+    stack_of,
 )
-from pytest_torchperf.frames import describe_frame, stack_of
 
 NAME = "no_host_to_device_in_forward"
 
@@ -48,13 +50,13 @@ def _forward_frame(frame: Optional[FrameType]) -> Optional[FrameType]:
 class ForwardCopies(Check):
     """Per-run state and verdict: copies made inside forward passes, by line."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
-        self.budget = run.options.max_forward_copies
+        self.budget: Optional[int] = self.settings.max_forward_copies
         self.sites: dict[tuple[str, int], dict[str, Any]] = {}
         self.per_step: dict[int, int] = {}
 
-    def on_move(self, event: Any) -> None:
+    def on_move(self, event: MoveEvent) -> None:
         forward = _forward_frame(event.frame)
         if forward is None:
             return
@@ -76,7 +78,7 @@ class ForwardCopies(Check):
         figures = {"copies_in_forward": count, "worst_step": worst, "sites": len(self.sites)}
         over = worst > self.budget if self.budget is not None else count > 0
         if not over:
-            return CheckResult(NAME, PASSED, f"{count} host-to-device copies in forward passes", 0, [], figures)
+            return CheckResult(NAME, Status.PASSED, f"{count} host-to-device copies in forward passes", 0, [], figures)
         findings = [
             Finding(
                 f"{s['module']}.forward copies a host tensor to the device: {s['count']} times",
@@ -87,7 +89,7 @@ class ForwardCopies(Check):
             for s in self.sites.values()
         ]
         summary = f"{count} host-to-device copies inside forward, at most {worst} in a step"
-        return CheckResult(NAME, FAILED, summary, count, findings, figures)
+        return CheckResult(NAME, Status.FAILED, summary, count, findings, figures)
 
 
 INVARIANT = Invariant(

@@ -1,0 +1,115 @@
+"""The engine owns what torchperf holds while runs watch; a start that fails leaves nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_torchperf import Check, CheckResult, Invariant, register, unregister, watch
+from pytest_torchperf.core import FLAGS, active_runs
+from pytest_torchperf.engine import ENGINE
+from pytest_torchperf.extend import Probe, Status
+from pytest_torchperf.watch import installed_probes
+
+#: torch's own, read before any watch of this module.
+ITEM = vars(torch._C.TensorBase)["item"]
+
+
+class Explodes(Check):
+    def __init__(self, run) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(run)
+        raise RuntimeError("a third-party check that cannot be built")
+
+    def result(self) -> CheckResult:  # pragma: no cover - never built
+        return CheckResult("explodes", Status.PASSED, "", 0, [], {})
+
+
+class Interrupted(Probe):
+    name = "interrupted_probe"
+
+    def install(self, patcher) -> None:  # type: ignore[no-untyped-def]
+        patcher.setattr(torch.Tensor, "item", lambda self: 0)
+        raise KeyboardInterrupt  # an interrupt while probes install: the whole start is undone
+
+
+class Fine(Check):
+    def result(self) -> CheckResult:
+        return CheckResult(self.name, Status.PASSED, "ok", 0, [], {})
+
+
+def _nothing_held() -> None:
+    assert "item" not in vars(torch.Tensor) and torch.Tensor.item is ITEM
+    assert active_runs() == [] and installed_probes() == () and ENGINE.base is None
+    assert not FLAGS.active and not FLAGS.in_scope
+
+
+@pytest.fixture
+def exploding() -> object:
+    register(Invariant(name="explodes", doc="its check cannot be built", check=Explodes, probes=("syncs",)))
+    yield
+    unregister("explodes")
+
+
+def test_a_check_constructor_that_raises_leaves_no_patch(exploding: object) -> None:
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        with watch(explodes=True):
+            pass  # pragma: no cover - never entered
+    _nothing_held()
+    with watch(no_host_sync=True) as run:  # the engine works again afterwards
+        assert torch.Tensor.item is not ITEM
+        with run.step():
+            torch.ones(2).sum()
+    assert run.report is not None and run.report["no_host_sync"].status == Status.PASSED
+    _nothing_held()
+
+
+def test_a_failed_start_inside_a_watch_undoes_only_its_own_probes(exploding: object) -> None:
+    with watch(no_iterator_reset=True, no_host_sync=False, on_device=False) as outer:
+        before = installed_probes()
+        assert "syncs" not in before
+        with pytest.raises(RuntimeError, match="cannot be built"):
+            with watch(explodes=True):
+                pass  # pragma: no cover
+        assert installed_probes() == before and active_runs() == [outer] and FLAGS.active
+    _nothing_held()
+
+
+def test_an_interrupt_while_a_probe_installs_undoes_the_whole_start() -> None:
+    register(Invariant(name="interrupted", doc="its probe is interrupted", check=Fine, probes=(Interrupted(),)))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with watch(interrupted=True, no_host_sync=True):
+                pass  # pragma: no cover
+    finally:
+        unregister("interrupted")
+    _nothing_held()
+
+
+FAILED_START = """
+    import pytest
+    import torch
+    from pytest_torchperf import Check, Invariant, register
+
+    ITEM = vars(torch._C.TensorBase)["item"]
+
+    class Explodes(Check):
+        def __init__(self, run):
+            super().__init__(run)
+            raise RuntimeError("cannot be built")
+
+    register(Invariant(name="explodes", doc="x", check=Explodes, probes=("syncs",)))
+
+    @pytest.mark.torchperf(explodes=True)
+    def test_marked():
+        pass
+
+    def test_later_unmarked():
+        assert "item" not in vars(torch.Tensor) and torch.Tensor.item is ITEM
+"""
+
+
+def test_a_later_unmarked_test_sees_torch_s_own_functions_after_a_failed_start(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_failed_start=FAILED_START)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_marked*RuntimeError: cannot be built*"])
