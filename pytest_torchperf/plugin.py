@@ -23,7 +23,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import adoption, baseline, project, ranks, results, stacks
+from . import adoption, baseline, project, ranks, results, stacks, unchecked
 from .arguments import UsageError
 from .core import Run
 from .options import OVERHEAD_ROUNDS, Options, describe_options, parse_options
@@ -46,6 +46,7 @@ _SKIPPED = pytest.StashKey[bool]()  # the test was skipped for an inconclusive v
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
+    unchecked.add_options(parser)
 
 
 class _XdistController:
@@ -73,6 +74,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "PyTorch/Lightning performance invariant breaks (see the pytest-torchperf README).",
     )
     settings = config.stash[_SETTINGS] = resolve_settings(config)
+    unchecked.resolve(config)
     stacks.set_display_root(str(config.rootpath))
     _count_user_packages(config, settings)
     workerinput = getattr(config, "workerinput", None)
@@ -154,6 +156,8 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
     except Inconclusive as exc:
         item.stash[_SKIPPED] = True
         pytest.skip(str(exc))
+    if report.passed:
+        unchecked.act(item, report, report_only=not fail)
 
 
 @functools.lru_cache(maxsize=None)
@@ -301,6 +305,7 @@ class _Recorder:
         tr.write_sep("=", "torchperf summary" if rank is None else f"torchperf summary of rank process {rank} (reported to its launcher, which judges)")
         broken: dict[str, int] = {}
         unsure: dict[str, int] = {}
+        not_checked = 0
         for test in self.tests:
             failed = [name for name, c in test["checks"].items() if c["status"] == FAILED]
             doubtful = [name for name, c in test["checks"].items() if c["status"] == INCONCLUSIVE]
@@ -309,9 +314,13 @@ class _Recorder:
             for name in doubtful:
                 unsure[name] = unsure.get(name, 0) + 1
             note = " (report only: broken invariants did not fail it)" if failed and test["report_only"] else ""
+            missing = sorted({n for run in test["runs"] for n in unchecked.summary_parts(run["checks"])})
+            not_checked += bool(missing)
+            if missing and not failed:
+                note += f" (not checked: {', '.join(missing)})"
             if test["outcome"] == "failed" or failed:
                 markup = {"red": True}
-            elif doubtful or test["outcome"] == "skipped":
+            elif doubtful or missing or test["outcome"] == "skipped":
                 markup = {"yellow": True}
             else:
                 markup = {"green": True}
@@ -320,7 +329,8 @@ class _Recorder:
                 parts = []
                 for name, check in run["checks"].items():
                     if check["status"] == NOT_CHECKED:
-                        parts.append(f"{name}: not checked" + (f" ({check['summary']})" if verbose else ""))
+                        shown = verbose or unchecked.is_default(name)
+                        parts.append(f"{name}: not checked" + (f" ({check['summary']})" if shown else ""))
                     else:
                         parts.append(f"{name}: {check['status']} ({check['summary']})")
                 tr.write_line(f"        {run['source']}: " + " | ".join(parts))
@@ -342,6 +352,8 @@ class _Recorder:
             line += ", no broken invariant"
         if unsure:
             line += "; inconclusive: " + ", ".join(f"{name} in {n}" for name, n in unsure.items())
+        if not_checked:
+            line += f"; {plural(not_checked, 'test')} with default invariants not checked"
         tr.write_line(line)
         if self.settings.json_path:
             tr.write_line(f"torchperf: JSON report written to {self.settings.json_path}")

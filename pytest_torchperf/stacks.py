@@ -16,6 +16,8 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from .frameworks import PACKAGES as _ADAPTED
+
 __all__ = [
     "Frame",
     "Stack",
@@ -46,6 +48,7 @@ FRAMEWORK_PACKAGES = (
     "lightning_utilities",
     "torchmetrics",
 )
+FRAMEWORK_PACKAGES += tuple(name for name in _ADAPTED if name not in FRAMEWORK_PACKAGES)  # frameworks.PACKAGES
 _PYTEST_PACKAGES = ("_pytest", "pytest", "pluggy", "xdist", "execnet")
 _TORCH_PACKAGES = ("torch", "functorch")
 

@@ -17,8 +17,10 @@ import importlib
 import sys
 from typing import Any, Iterator, Optional
 
-from . import core, lightning, registry, stacks
+from . import autosteps, core, registry, stacks
 from .core import Run
+from . import frameworks
+from .frameworks import lightning
 from .options import Options, parse_options
 from .patching import Patcher, lift_all, relay_all
 from .probes import relocate_warnings
@@ -32,6 +34,8 @@ _installed: dict[str, Patcher] = {}
 _needs: dict[str, tuple[str, ...]] = {}
 #: The patcher of the Lightning observer and of the torch caches kept out of the probes' way.
 _base: list[Patcher] = []
+#: The patcher of the automatic steps' hooks (:mod:`pytest_torchperf.autosteps`).
+_autosteps: list[Patcher] = []
 #: Patchers of probes taken out mid-run: their deferred undo actions run when the last run stops.
 _removed: list[Patcher] = []
 
@@ -51,6 +55,7 @@ def start(run: Run) -> None:
             _keep_torch_caches(base)
             relocate_warnings(base)
             lightning.install(base)
+            frameworks.install(base)
             for extension in EXTENSIONS:
                 extension.install(base)
         except BaseException:
@@ -72,10 +77,15 @@ def start(run: Run) -> None:
         _installed[probe.name] = patcher
         _needs[probe.name] = tuple(probe.needs)
     run.checks = registry.make_checks(run)  # after the probes: a check may ask its probe for something
+    if not _autosteps:  # after the probes: its backward wrapper is the outermost, so a pass opens its step first
+        _autosteps.append(Patcher())
+        autosteps.install(_autosteps[0])
+    autosteps.arm(run)
     run.start()
 
 
 def stop(run: Run) -> None:
+    autosteps.close(run)
     run.stop()
     if core.active_runs():
         return
@@ -85,6 +95,8 @@ def stop(run: Run) -> None:
     while _removed:
         errors.extend(_removed.pop().undo())
     _needs.clear()
+    if _autosteps:
+        errors.extend(_autosteps.pop().undo())
     if _base:
         errors.extend(_base.pop().undo())
     for exc in errors:
@@ -166,6 +178,8 @@ def _lifted(fn: Any) -> None:
 def finish(run: Run, exc: Optional[BaseException] = None) -> None:
     """Evaluate a stopped run into ``run.report`` (``exc``: what ended its block, if it raised)."""
     run.finish()
+    if run.report is not None:
+        run.report.steps_found = autosteps.found(run)
     for extension in EXTENSIONS:
         extension.finished(run, exc)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from .. import lightning
+from ..frameworks import lightning
 from ..arguments import Flag
 from ..core import Check
 from ..probes.iterators import DROP, POOL, SHUTDOWN

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import TYPE_CHECKING, Any, Optional
 
-from .. import lightning
+from ..frameworks import lightning
 from ..arguments import Argument, Flag, Integer
 from ..core import Check
 from ..probes.loaders import PROBE as LOADERS

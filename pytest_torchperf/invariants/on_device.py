@@ -37,7 +37,7 @@ from ..allow import AllowList
 from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import describe_frame, locate, owner_label, stack_of
-from .. import lightning
+from ..frameworks import lightning
 from ..probes._host import DATA, LEGACY
 from ..probes.tensors import PROBE as TENSORS
 from ..probes.tensors import Birth, Move

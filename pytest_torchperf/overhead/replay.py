@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-from .. import lightning
+from ..frameworks import lightning
 from ..stacks import Stack
 from ..timing import (
     WARMUP_BATCHES,

@@ -28,7 +28,8 @@ import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import core, lightning
+from .. import core
+from ..frameworks import lightning
 from ..core import FLAGS
 from ..stacks import Stack, capture
 from . import Probe, record_creation

@@ -31,7 +31,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .. import core, lightning, registry
+from .. import core, registry
+from ..frameworks import lightning
 from ..watch import finish, start, stop
 from ..core import Run
 from ..options import Options

@@ -47,7 +47,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import core, lightning
+from .. import core
+from ..frameworks import lightning
 from ..core import Run
 from . import child
 from .child import ENV, RankEntry, RankSpec, report_path
