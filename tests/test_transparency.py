@@ -331,7 +331,7 @@ def test_a_probe_that_fails_leaves_the_training_untouched_and_says_so(
 def test_a_lightning_observer_that_fails_leaves_the_fit_untouched(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from pytest_torchperf import lightning
+    from pytest_torchperf.frameworks import lightning
     from fit_helpers import fit
 
     reference = fit(tmp_path / "a")
