@@ -333,7 +333,8 @@ class _Recorder:
                         parts.append(f"{name}: not checked" + (f" ({check['summary']})" if shown else ""))
                     else:
                         parts.append(f"{name}: {check['status']} ({check['summary']})")
-                tr.write_line(f"        {run['source']}: " + " | ".join(parts))
+                found = f" (steps: {run['steps']}, {run['steps_found']})" if run.get("steps_found") else ""
+                tr.write_line(f"        {run['source']}{found}: " + " | ".join(parts))
                 for process in run.get("ranks", ()):  # a rank that raised or sent nothing says so here
                     error, missing = process.get("error"), process.get("missing")
                     if error:

@@ -17,9 +17,8 @@ import importlib
 import sys
 from typing import Any, Iterator, Optional
 
-from . import autosteps, core, registry, stacks
+from . import autosteps, core, frameworks, registry, stacks
 from .core import Run
-from . import frameworks
 from .frameworks import lightning
 from .options import Options, parse_options
 from .patching import Patcher, lift_all, relay_all

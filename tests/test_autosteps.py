@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from step_check_helpers import batches, report_of, write_module
 
 from pytest_torchperf import watch
-from step_check_helpers import batches, report_of, write_module
 
 LOOP = """
 import torch

@@ -343,3 +343,61 @@ def test_importing_the_plugin_imports_no_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+ACCELERATE_RANKS = '''
+import pytest
+import torch
+import accelerate  # noqa: F401
+from accelerate import Accelerator, debug_launcher
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def train(accumulate):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2 if accumulate else 1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 1)), batch_size=4)
+    model, opt, data = accelerator.prepare(model, opt, data)
+    for i, (x, y) in enumerate(data):
+        if accumulate:
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+        else:  # accumulating by hand under DDP without no_sync: an all-reduce per micro-batch
+            loss = torch.nn.functional.mse_loss(model(x), y) / 2  # HERE
+            accelerator.backward(loss)
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+
+
+@pytest.mark.torchperf(no_sync_accumulation=True)
+def test_accumulate():
+    debug_launcher(train, args=(True,), num_processes=2)
+
+
+@pytest.mark.torchperf(no_sync_accumulation=True)
+def test_by_hand():
+    debug_launcher(train, args=(False,), num_processes=2)
+'''
+
+
+@pytest.mark.slow
+def test_accelerate_ranks_from_its_launcher_are_watched(pytester: pytest.Pytester) -> None:
+    """``accelerate.debug_launcher`` starts its ranks through torch.multiprocessing.start_processes (gloo on CPU)."""
+    pytest.importorskip("accelerate")
+    path = pytester.makepyfile(test_ranks=ACCELERATE_RANKS)
+    line = _line(path.read_text(), "# HERE")
+    result = pytester.runpytest_subprocess("--torchperf-json=out.json", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    tests = _results(pytester.path / "out.json")
+    clean = tests["test_accumulate"]["checks"]["no_sync_accumulation"]
+    assert clean["status"] == "passed" and "rank 0, 1" in clean["summary"]
+    assert "over 2 steps" in tests["test_accumulate"]["checks"]["no_host_sync"]["summary"]  # automatic, per rank
+    broken = tests["test_by_hand"]["checks"]["no_sync_accumulation"]
+    assert broken["status"] == "failed"
+    result.stdout.fnmatch_lines([f"*at test_ranks.py:{line} in train*"])

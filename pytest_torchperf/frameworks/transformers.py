@@ -44,6 +44,9 @@ _NAN_INF = (
 )
 
 
+_LOGGING = "the Trainer reads the loss every `logging_steps` steps: a periodic sync (raise logging_steps to log less)"
+
+
 def hint(frame: Any, op: str) -> str:
     """The TrainingArguments setting that removes the Trainer's own sync at ``frame``."""
     path = str(getattr(frame, "filename", "")).replace("\\", "/")
@@ -53,7 +56,7 @@ def hint(frame: Any, op: str) -> str:
     if "logging_nan_inf_filter" in source and ("isnan" in source or "isinf" in source):
         return _NAN_INF
     if getattr(frame, "function", "") == "_maybe_log_save_evaluate" and "tr_loss" in (frame.source or ""):
-        return "the Trainer reads the loss every `logging_steps` steps: a periodic sync (raise logging_steps to log less)"
+        return _LOGGING
     return ""
 
 

@@ -290,7 +290,7 @@ class HostSyncCheck(Check):
             facts.append(f"counted as your code: {classify.rule(site.frame.filename)}")
         label = site.op.label.split(" (")[0]
         failing = (site.is_user or self.strict) and not site.allowed_by and site.cadence is None
-        framework_hint = "" if site.is_user else frameworks.hint(site.frame, site.op.hint)  # the setting that removes it
+        framework_hint = "" if site.is_user else frameworks.hint(site.frame, site.op.hint)  # the setting removing it
         hint = framework_hint or (self._hint(site) if failing else "")
         return Finding(title, facts, [Site(label, site.stack, site.count)], hint)
 

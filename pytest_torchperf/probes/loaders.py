@@ -29,8 +29,8 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
-from ..frameworks import lightning
 from ..core import FLAGS
+from ..frameworks import lightning
 from ..stacks import Stack, capture
 from . import Probe, record_creation
 

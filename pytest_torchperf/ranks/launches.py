@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
-from ..frameworks import lightning
 from ..core import Run
+from ..frameworks import lightning
 from . import child
 from .child import ENV, RankEntry, RankSpec, report_path
 from .merge import Part, merge
