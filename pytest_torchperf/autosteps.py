@@ -22,8 +22,9 @@ framework's step) disarms the run for good: marked steps win.
 The probes here are two: a global optimizer step post-hook and a wrapper of
 torch's backward entry point (``torch.autograd._engine_run_backward``). Both
 return after two attribute loads while no run is armed (a run that marks its
-steps disarms itself at its first one). Nothing here imports torch until a
-run is armed.
+steps disarms itself at its first one); the backward wrapper does so too once
+every armed run's steps are found at optimizer steps. The hooks are installed
+when torch is imported.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class _Armed:
     """How many runs are armed now (read on the hot paths: one attribute load)."""
 
     count = 0
+    #: How many of them still look at backward passes (not yet in optimizer mode).
+    backward = 0
 
 
 ARMED = _Armed
@@ -82,6 +85,7 @@ def arm(run: "Run") -> None:
         return
     run._auto = AutoSteps()
     ARMED.count += 1
+    ARMED.backward += 1
 
 
 def found(run: "Run") -> str:
@@ -97,6 +101,8 @@ def _disarm(run: "Run", auto: AutoSteps, why: str) -> None:
         return
     auto.disarmed_by = why
     ARMED.count -= 1
+    if auto.mode != "optimizer":
+        ARMED.backward -= 1
     if auto.open:
         auto.open = False
         run.step_ended()
@@ -109,6 +115,8 @@ def close(run: "Run") -> None:
         return
     auto.disarmed_by = "the watch ended"
     ARMED.count -= 1
+    if auto.mode != "optimizer":
+        ARMED.backward -= 1
     if auto.open:
         auto.open = False
         run.step_ended()
@@ -162,6 +170,7 @@ def optimizer_step(run: "Run", auto: AutoSteps, optimizer: Any) -> None:
         run.steps -= auto.backward_steps - 1
         auto.own = run.steps
     auto.mode = "optimizer"
+    ARMED.backward -= 1  # backward passes no longer begin its steps
     auto.stepped = {key}
 
 
@@ -182,6 +191,7 @@ def install(patcher: "Patcher") -> None:
 
 def _reset() -> None:
     ARMED.count = 0
+    ARMED.backward = 0
 
 
 def _install(patcher: "Patcher") -> None:
@@ -213,7 +223,7 @@ def _install(patcher: "Patcher") -> None:
         @functools.wraps(original)
         def run_backward(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True
-            if armed.count and flags.active and not is_compiling():
+            if armed.backward and flags.active and not is_compiling():
                 try:
                     if current_node() is None:  # not a pass the engine started (reentrant checkpointing)
                         for run, auto in _armed_runs():

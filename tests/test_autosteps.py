@@ -139,7 +139,7 @@ def test_the_hooks_are_gone_after_the_watch(tmp_path: Path) -> None:
 
     module, _ = _loop(tmp_path)
     report_of(module.train, watch, batches(2))  # type: ignore[attr-defined]
-    assert autosteps.ARMED.count == 0
+    assert autosteps.ARMED.count == 0 and autosteps.ARMED.backward == 0
     assert not getattr(torch.autograd._engine_run_backward, "__wrapped__", None)
 
 
