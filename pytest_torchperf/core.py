@@ -55,6 +55,7 @@ EVENTS: dict[str, str] = {
     "on_ddp_forward": "(ddp): a DistributedDataParallel forward pass (probe ddp)",
     "on_ddp_armed": "(reducer): DDP's reducer was prepared for a backward: one all-reduce round armed",
     "on_run_end": "(): the run stops, its probes still installed (read probe state here, not in result())",
+    "on_framework_call": "(call): another framework's training call began (frameworks._calls.FrameworkCall)",
 }
 
 
@@ -240,6 +241,8 @@ class Run:
         self._step_events = (False, False)
         #: What ``step()`` returns: stateless, so one serves every step (and nested steps).
         self._step_block = _Step(self)
+        #: Automatic steps (:mod:`pytest_torchperf.autosteps`) while the run is armed for them.
+        self._auto: Any = None
 
     # -- what probes and checks read ---------------------------------------------------
     @property

@@ -30,8 +30,9 @@ import importlib
 import sys
 from typing import Any, Callable, Optional, Protocol
 
-from . import core, lightning, registry, stacks
+from . import autosteps, core, frameworks, registry, stacks
 from .core import Run
+from .frameworks import lightning
 from .patching import Patcher, lift_all, relay_all
 from .probes import relocate_warnings
 
@@ -66,6 +67,8 @@ class Engine:
         self.needs: dict[str, tuple[str, ...]] = {}
         #: The patcher of the Lightning observer, torch's caches and the extensions (while some run watches).
         self.base: Optional[Patcher] = None
+        #: The patcher of the automatic steps' hooks (:mod:`pytest_torchperf.autosteps`), installed after the probes.
+        self.autosteps: Optional[Patcher] = None
         #: Patchers of probes taken out mid-run: their deferred undo actions run when the last run stops.
         self.removed: list[Patcher] = []
         #: Told about every run; :data:`BUILTIN_EXTENSIONS` are added when the first run starts.
@@ -104,12 +107,18 @@ class Engine:
                 undo.callback(self._uninstall, probe.name, run)
                 self._install_probe(probe, run)
             run.checks = registry.make_checks(run)  # after the probes: a check may ask its probe for something
+            if self.autosteps is None:  # after the probes: its backward wrapper is the outermost, so a pass opens its step first
+                undo.callback(self._undo_autosteps, run)
+                self.autosteps = Patcher()
+                autosteps.install(self.autosteps)
+            autosteps.arm(run)
             run.start()  # registered last: nothing can fail after this
             undo.pop_all()
 
     def stop(self, run: Run) -> None:
         """Stop ``run``; when it was the last, undo every probe and the base patches (always)."""
         try:
+            autosteps.close(run)
             run.stop()
         finally:
             self._leave(run)
@@ -124,6 +133,9 @@ class Engine:
         while self.removed:
             errors.extend(self.removed.pop().undo())
         self.needs.clear()
+        if self.autosteps is not None:
+            steps, self.autosteps = self.autosteps, None
+            errors.extend(steps.undo())
         if self.base is not None:
             base, self.base = self.base, None
             errors.extend(base.undo())
@@ -134,6 +146,8 @@ class Engine:
     def finish(self, run: Run, exc: Optional[BaseException] = None) -> None:
         """Evaluate a stopped run into ``run.report`` and tell the extensions."""
         run.finish()
+        if run.report is not None:
+            run.report.steps_found = autosteps.found(run)
         for extension in self.extensions:
             extension.finished(run, exc)
 
@@ -148,6 +162,7 @@ class Engine:
         _keep_torch_caches(base)
         relocate_warnings(base)
         lightning.install(base)
+        frameworks.install(base)
         for extension in self.extensions:
             extension.install(base)
 
@@ -155,6 +170,12 @@ class Engine:
         if not self.runs and self.base is not None:
             base, self.base = self.base, None
             for exc in base.undo():
+                run.internal_errors.setdefault("undo", f"{type(exc).__name__}: {exc}")
+
+    def _undo_autosteps(self, run: Run) -> None:
+        if not self.runs and self.autosteps is not None:
+            steps, self.autosteps = self.autosteps, None
+            for exc in steps.undo():
                 run.internal_errors.setdefault("undo", f"{type(exc).__name__}: {exc}")
 
     def _install_probe(self, probe: Any, run: Run) -> None:

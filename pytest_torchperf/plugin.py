@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import adoption, project
+from . import adoption, project, unchecked
 from ._lazy import lazy_module
 from .constants import OVERHEAD_ROUNDS
 from .errors import UsageError
@@ -58,6 +58,7 @@ _PROJECT = pytest.StashKey[bool]()  # the project's packages are known to the fr
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
+    unchecked.add_options(parser)
 
 
 class _XdistController:
@@ -78,6 +79,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _marker_help(config))
     settings = config.stash[_SETTINGS] = resolve_settings(config)
     config.stash[_PROJECT] = False  # read when the first test is watched (see _know_the_project)
+    unchecked.resolve(config)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         lock = workerinput.get("torchperf_timing_lock")
@@ -196,6 +198,8 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
     except _report.Inconclusive as exc:
         item.stash[_SKIPPED] = True
         pytest.skip(str(exc))
+    if report.passed:
+        unchecked.act(item, report, report_only=not fail)
 
 
 @functools.lru_cache(maxsize=None)
@@ -349,6 +353,7 @@ class _Recorder:
         tr.write_sep("=", title)
         broken: dict[str, int] = {}
         unsure: dict[str, int] = {}
+        not_checked = 0
         for test in self.tests:
             failed = [name for name, c in test["checks"].items() if c["status"] == "failed"]
             doubtful = [name for name, c in test["checks"].items() if c["status"] == "inconclusive"]
@@ -357,9 +362,13 @@ class _Recorder:
             for name in doubtful:
                 unsure[name] = unsure.get(name, 0) + 1
             note = " (report only: broken invariants did not fail it)" if failed and test["report_only"] else ""
+            missing = sorted({n for run in test["runs"] for n in unchecked.summary_parts(run["checks"])})
+            not_checked += bool(missing)
+            if missing and not failed:
+                note += f" (not checked: {', '.join(missing)})"
             if test["outcome"] == "failed" or failed:
                 markup = {"red": True}
-            elif doubtful or test["outcome"] == "skipped":
+            elif doubtful or missing or test["outcome"] == "skipped":
                 markup = {"yellow": True}
             else:
                 markup = {"green": True}
@@ -368,10 +377,12 @@ class _Recorder:
                 parts = []
                 for name, check in run["checks"].items():
                     if check["status"] == "not checked":
-                        parts.append(f"{name}: not checked" + (f" ({check['summary']})" if verbose else ""))
+                        shown = verbose or unchecked.is_default(name)
+                        parts.append(f"{name}: not checked" + (f" ({check['summary']})" if shown else ""))
                     else:
                         parts.append(f"{name}: {check['status']} ({check['summary']})")
-                tr.write_line(f"        {run['source']}: " + " | ".join(parts))
+                found = f" (steps: {run['steps']}, {run['steps_found']})" if run.get("steps_found") else ""
+                tr.write_line(f"        {run['source']}{found}: " + " | ".join(parts))
                 for process in run.get("ranks", ()):  # a rank that raised or sent nothing says so here
                     error, missing = process.get("error"), process.get("missing")
                     if error:
@@ -390,6 +401,8 @@ class _Recorder:
             line += ", no broken invariant"
         if unsure:
             line += "; inconclusive: " + ", ".join(f"{name} in {n}" for name, n in unsure.items())
+        if not_checked:
+            line += f"; {plural(not_checked, 'test')} with default invariants not checked"
         tr.write_line(line)
         if self.settings.json_path:
             tr.write_line(f"torchperf: JSON report written to {self.settings.json_path}")

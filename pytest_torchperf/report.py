@@ -170,6 +170,8 @@ class Report:
     internal_errors: dict[str, str] = field(default_factory=dict)
     #: What an inconclusive verdict does to the run: "fail" it, "skip" it or "warn" (see :func:`settle`).
     on_inconclusive: str = "fail"
+    #: How the steps were found when nothing marked them (``"found at optimizer.step()"``), else "".
+    steps_found: str = ""
 
     @property
     def failures(self) -> list[CheckResult]:
@@ -195,7 +197,7 @@ class Report:
             line = f"torchperf: all invariants held ({', '.join(checked) or 'none checked'})"
             if self.inconclusive:
                 line += "; " + self.inconclusive_line()
-            return line
+            return line + self._steps_text()
         parts = []
         broken = [c for c in failures if c.failed]
         unsure = [c for c in failures if c.inconclusive]
@@ -204,7 +206,11 @@ class Report:
             parts.append(f"{len(broken)} {noun} broken: " + "; ".join(f"{c.name} ({c.summary})" for c in broken))
         if unsure:
             parts.append(self.inconclusive_line())
-        return "torchperf: " + "; ".join(parts)
+        return "torchperf: " + "; ".join(parts) + self._steps_text()
+
+    def _steps_text(self) -> str:
+        """``"; steps: 24, found at optimizer.step()"`` when the steps were found automatically."""
+        return f"; steps: {self.steps}, {self.steps_found}" if self.steps_found else ""
 
     def inconclusive_line(self) -> str:
         """``inconclusive: max_overhead (+48.1% over vanilla loop (95% CI ...) straddles 50%)``."""
@@ -239,6 +245,7 @@ class Report:
         return {
             "passed": self.passed,
             "steps": self.steps,
+            "steps_found": self.steps_found,
             "checks": {name: c.to_dict() for name, c in self.checks.items()},
             "internal_errors": dict(self.internal_errors),
         }

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Optional, Sequence, Tuple, Union
 
+from .frameworks import PACKAGES as _ADAPTED
+
 __all__ = [
     "Frame",
     "Stack",
@@ -47,6 +49,7 @@ FRAMEWORK_PACKAGES = (
     "lightning_utilities",
     "torchmetrics",
 )
+FRAMEWORK_PACKAGES += tuple(name for name in _ADAPTED if name not in FRAMEWORK_PACKAGES)  # frameworks.PACKAGES
 _PYTEST_PACKAGES = ("_pytest", "pytest", "pluggy", "xdist", "execnet")
 _TORCH_PACKAGES = ("torch", "functorch")
 

@@ -108,9 +108,10 @@ class StepTrace:
             self._prof = None
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # Never removes itself: torch is iterating over the global hooks now (another one may come after this
+        # one, and a removal would break that iteration); stop() removes it.
         prof = self._prof
         if prof is None or self._done:
-            self._remove_hook()
             return
         try:
             self.recorded_steps += 1
@@ -118,8 +119,6 @@ class StepTrace:
         except Exception as exc:
             self.error = f"the profiler failed: {exc!r}"
             self._done = True
-        if self._done:
-            self._remove_hook()
 
     def _guard(self, torch: Any) -> None:
         """Give way to a profiler the test starts itself: torch runs one at a time, and exporting a trace

@@ -342,7 +342,7 @@ def test_a_lightning_observer_that_fails_leaves_the_fit_untouched(
 ) -> None:
     from fit_helpers import fit
 
-    from pytest_torchperf import lightning
+    from pytest_torchperf.frameworks import lightning
 
     reference = fit(tmp_path / "a")
     _break(monkeypatch, lightning, "_attach_to_fit")

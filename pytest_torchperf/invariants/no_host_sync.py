@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
-from .. import lightning
+from .. import frameworks
+from ..frameworks import lightning
 from ..allow import AllowList
 from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
@@ -298,7 +299,8 @@ class HostSyncCheck(Check):
             facts.append(f"counted as your code: {classify.rule(site.frame.filename)}")
         label = site.op.label.split(" (")[0]
         failing = (site.is_user or self.strict) and not site.allowed_by and site.cadence is None
-        hint = self._hint(site) if failing else ""
+        framework_hint = "" if site.is_user else frameworks.hint(site.frame, site.op.hint)  # the setting removing it
+        hint = framework_hint or (self._hint(site) if failing else "")
         return Finding(title, facts, [Site(label, site.stack, site.count)], hint)
 
     def _cadence_fact(self, site: _SyncSite, total: int, unit: str) -> str:

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from .. import lightning
 from ..arguments import Flag
 from ..core import Check
+from ..frameworks import lightning
 from ..probes.iterators import DROP, POOL, SHUTDOWN
 from ..probes.loaders import PROBE as LOADERS
 from ..registry import Invariant

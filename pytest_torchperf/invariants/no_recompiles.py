@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import TYPE_CHECKING, Any, Optional
 
-from .. import lightning
 from ..arguments import Argument, Flag, Integer
 from ..core import Check
+from ..frameworks import lightning
 from ..probes.loaders import PROBE as LOADERS
 from ..probes.recompiles import PROBE
 from ..registry import Invariant

@@ -33,11 +33,11 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
-from .. import lightning
 from ..allow import AllowList
 from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import describe_frame, locate, owner_label, stack_of
+from ..frameworks import lightning
 from ..probes._host import DATA, LEGACY
 from ..probes.tensors import PROBE as TENSORS
 from ..probes.tensors import Birth, Move

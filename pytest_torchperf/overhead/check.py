@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from .. import lightning
+from ..frameworks import lightning
 from ..report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Frame, Stack, capture
 from ..timing import NotMirrored, ParityResult
@@ -36,8 +36,13 @@ class OverheadCheck:
     def __init__(self, run: "Run") -> None:
         self.run = run
         self.fits: list[ObservedFit] = []
+        #: Training calls of other frameworks (``Trainer.train``...), which have no vanilla loop to time against.
+        self.other_calls: list[str] = []
 
     # -- events -------------------------------------------------------------------
+    def on_framework_call(self, call: Any) -> None:
+        self.other_calls.append(f"{call.framework} {call.kind}()")
+
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
         if kind != "fit" or model is None:
             return
@@ -102,6 +107,11 @@ class OverheadCheck:
         if sys.exc_info()[1] is not None:
             # Called while the watched block's own exception propagates: that is the test's failure.
             return CheckResult(NAME, NOT_CHECKED, "not timed: the watched block raised", figures={"fits": []})
+        if not self.fits and self.other_calls:
+            return CheckResult(NAME, NOT_CHECKED, (
+                f"{self.other_calls[0]} ran, and max_overhead times only Lightning's Trainer.fit against its "
+                "vanilla loop; to time a loop of your own, use torchperf.parity(candidate, baseline, max_overhead=...)"
+            ), figures={"fits": []})
         if not self.fits:
             finding = Finding(
                 "max_overhead compares a Lightning Trainer.fit with its vanilla loop, and no fit ran while watching",

@@ -25,8 +25,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-from .. import lightning
 from ..core import suspended
+from ..frameworks import lightning
 from ..stacks import Stack
 from ..timing import (
     WARMUP_BATCHES,

@@ -28,8 +28,9 @@ import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import core, lightning
+from .. import core
 from ..core import FLAGS
+from ..frameworks import lightning
 from ..stacks import Stack, capture
 from . import Probe, record_creation
 

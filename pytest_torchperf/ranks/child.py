@@ -31,8 +31,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .. import core, lightning, registry
+from .. import core, registry
 from ..core import Run
+from ..frameworks import lightning
 from ..options import Options
 from ..stacks import TORCHPERF, USER, classify, display_path
 from ..watch import finish, start, stop

@@ -47,8 +47,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import core, lightning
+from .. import core
 from ..core import Run
+from ..frameworks import lightning
 from . import child
 from .child import ENV, RankEntry, RankSpec, report_path
 from .merge import Part, merge

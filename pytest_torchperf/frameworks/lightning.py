@@ -33,8 +33,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-from . import core
-from .patching import Patcher
+from .. import core
+from ..patching import Patcher
 
 __all__ = [
     "ObservedCall",

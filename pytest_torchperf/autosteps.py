@@ -1,0 +1,240 @@
+"""Automatic steps: a watched loop with neither ``run.step()`` nor a framework's step still has steps.
+
+A run whose scope is ``training_step`` (the default) is *armed* when it
+starts. While armed, it waits for training: the first backward pass (or, in
+a loop whose backward runs inside ``optimizer.step(closure)``, the first
+optimizer step) opens step 1. From then on:
+
+- each optimizer step after the first begins the next step (an optimizer
+  that already stepped in the current step; so with several optimizers, a
+  GAN's ``opt_d`` and ``opt_g``, one round of all of them is one step, and
+  with gradient accumulation one optimizer step is one step);
+- without any optimizer step, each backward pass begins the next step;
+  backward passes seen before the first optimizer step are folded into one
+  step when it comes (gradient accumulation);
+- the last step lasts until the watch ends.
+
+So a loop of N optimizer steps makes N steps. What runs before the first
+backward pass (setup, the first forward pass) is outside the steps. A step
+marked by anyone else (``run.step()``, Lightning's ``training_step``, another
+framework's step) disarms the run for good: marked steps win.
+
+The probes here are two: a global optimizer step post-hook and a wrapper of
+torch's backward entry point (``torch.autograd._engine_run_backward``). Both
+return after two attribute loads while no run is armed (a run that marks its
+steps disarms itself at its first one); the backward wrapper does so too once
+every armed run's steps are found at optimizer steps. The hooks are installed
+when torch is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from . import core
+from .core import FLAGS
+
+if TYPE_CHECKING:
+    from .core import Run
+    from .patching import Patcher
+
+__all__ = ["AutoSteps", "arm", "close", "found", "install"]
+
+#: How steps were found, for reports.
+AT_OPTIMIZER = "found at optimizer.step()"
+AT_BACKWARD = "found at backward()"
+_MARKED = "marked steps"
+
+
+class _Armed:
+    """How many runs are armed now (read on the hot paths: one attribute load)."""
+
+    count = 0
+    #: How many of them still look at backward passes (not yet in optimizer mode).
+    backward = 0
+
+
+ARMED = _Armed
+
+
+class AutoSteps:
+    """One run's automatic steps (see the module's docstring)."""
+
+    __slots__ = ("open", "own", "mode", "backward_steps", "stepped", "disarmed_by")
+
+    def __init__(self) -> None:
+        #: Whether this object holds one level of the run's step depth now.
+        self.open = False
+        #: ``run.steps`` as this object left it: more means someone else counted a step.
+        self.own = 0
+        #: None (waiting for training), "backward" or "optimizer".
+        self.mode: Optional[str] = None
+        #: Steps begun by backward passes before the first optimizer step.
+        self.backward_steps = 0
+        #: ids of the optimizers that stepped in the current step.
+        self.stepped: set[int] = set()
+        #: Why automatic steps stopped ("marked steps"), if they did.
+        self.disarmed_by = ""
+
+
+def arm(run: "Run") -> None:
+    """Arm ``run`` for automatic steps (a run with scope ``training_step`` whose steps are not marked yet)."""
+    if getattr(run, "scope", None) != "training_step" or getattr(run, "_auto", None) is not None:
+        return
+    run._auto = AutoSteps()
+    ARMED.count += 1
+    ARMED.backward += 1
+
+
+def found(run: "Run") -> str:
+    """How the run's steps were found: ``"found at optimizer.step()"``, ``"found at backward()"`` or ``""``."""
+    auto: Optional[AutoSteps] = getattr(run, "_auto", None)
+    if auto is None or auto.disarmed_by == _MARKED or auto.mode is None:
+        return ""
+    return AT_OPTIMIZER if auto.mode == "optimizer" else AT_BACKWARD
+
+
+def _disarm(run: "Run", auto: AutoSteps, why: str) -> None:
+    if auto.disarmed_by:
+        return
+    auto.disarmed_by = why
+    ARMED.count -= 1
+    if auto.mode != "optimizer":
+        ARMED.backward -= 1
+    if auto.open:
+        auto.open = False
+        run.step_ended()
+
+
+def close(run: "Run") -> None:
+    """The run stops: end its open automatic step (its checks see the step's end) and disarm it."""
+    auto: Optional[AutoSteps] = getattr(run, "_auto", None)
+    if auto is None or auto.disarmed_by:
+        return
+    auto.disarmed_by = "the watch ended"
+    ARMED.count -= 1
+    if auto.mode != "optimizer":
+        ARMED.backward -= 1
+    if auto.open:
+        auto.open = False
+        run.step_ended()
+
+
+def _marked_elsewhere(run: "Run", auto: AutoSteps) -> bool:
+    """Someone else counts steps in this run: a step is open that is not ours, or one was counted."""
+    depth = run._step_depth - (1 if auto.open else 0)
+    return depth > 0 or run.steps != auto.own
+
+
+def _begin(run: "Run", auto: AutoSteps) -> None:
+    if auto.open:
+        auto.open = False
+        run.step_ended()
+    run.step_started()
+    auto.open = True
+    auto.own = run.steps
+
+
+def backward(run: "Run", auto: AutoSteps) -> None:
+    """A backward pass (not one the autograd engine started itself) in an armed run."""
+    if auto.mode == "optimizer":
+        return
+    if _marked_elsewhere(run, auto):
+        _disarm(run, auto, _MARKED)
+        return
+    if auto.mode is None:
+        auto.mode = "backward"
+    auto.backward_steps += 1
+    _begin(run, auto)
+
+
+def optimizer_step(run: "Run", auto: AutoSteps, optimizer: Any) -> None:
+    """An optimizer stepped in an armed run."""
+    if _marked_elsewhere(run, auto):
+        _disarm(run, auto, _MARKED)
+        return
+    key = id(optimizer)
+    if auto.mode == "optimizer":
+        if key in auto.stepped:
+            _begin(run, auto)
+            auto.stepped = {key}
+        else:
+            auto.stepped.add(key)
+        return
+    if auto.mode is None:  # no backward seen (it ran before the watch, or inside a closure torch hid)
+        _begin(run, auto)
+    elif auto.backward_steps > 1:
+        # Gradient accumulation: the steps begun by backward passes since the first are one step.
+        run.steps -= auto.backward_steps - 1
+        auto.own = run.steps
+    auto.mode = "optimizer"
+    ARMED.backward -= 1  # backward passes no longer begin its steps
+    auto.stepped = {key}
+
+
+def _armed_runs() -> list[tuple["Run", AutoSteps]]:
+    out = []
+    for run in core.active_runs():
+        auto = getattr(run, "_auto", None)
+        if auto is not None and not auto.disarmed_by and run._active:
+            out.append((run, auto))
+    return out
+
+
+def install(patcher: "Patcher") -> None:
+    """Hook optimizer steps and backward passes for armed runs (when torch is imported; undone by ``patcher``)."""
+    patcher.callback(_reset)
+    patcher.on_import("torch.autograd", lambda module: _install(patcher))
+
+
+def _reset() -> None:
+    ARMED.count = 0
+    ARMED.backward = 0
+
+
+def _install(patcher: "Patcher") -> None:
+    try:
+        import torch
+
+        optimizer_module = importlib.import_module("torch.optim.optimizer")
+    except Exception as exc:  # noqa: BLE001 - never into the user's import
+        core.probe_failed("autosteps", exc)
+        return
+    flags, armed = FLAGS, ARMED
+    current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+
+    def on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if armed.count and flags.active:
+            try:
+                for run, auto in _armed_runs():
+                    optimizer_step(run, auto, optimizer)
+            except Exception as exc:  # noqa: BLE001 - never into the user's optimizer step
+                core.probe_failed("autosteps", exc)
+
+    register = getattr(optimizer_module, "register_optimizer_step_post_hook", None)
+    if register is not None:
+        handle = register(on_optimizer_step)
+        patcher.callback(handle.remove, deferred=True)
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def run_backward(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            if armed.backward and flags.active and not is_compiling():
+                try:
+                    if current_node() is None:  # not a pass the engine started (reentrant checkpointing)
+                        for run, auto in _armed_runs():
+                            backward(run, auto)
+                except Exception as exc:  # noqa: BLE001 - never into the user's backward
+                    core.probe_failed("autosteps", exc)
+            return original(*args, **kwargs)
+
+        return run_backward
+
+    if callable(getattr(torch.autograd, "_engine_run_backward", None)):
+        patcher.wrap(torch.autograd, "_engine_run_backward", wrap)
+    else:  # pragma: no cover - torch < 2.3
+        patcher.wrap(torch.autograd, "backward", wrap)

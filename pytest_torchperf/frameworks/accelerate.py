@@ -1,0 +1,35 @@
+"""Adapter for Hugging Face ``accelerate`` (see :mod:`pytest_torchperf.frameworks`).
+
+``accelerate`` has no loop of its own: the user writes it around an
+``Accelerator``. Its steps are found by :mod:`pytest_torchperf.autosteps`:
+``accelerator.backward(loss)`` runs torch's backward, and an
+``AcceleratedOptimizer`` steps the wrapped optimizer only when the gradients
+are synchronised (``accelerator.accumulate(model)`` / ``sync_gradients``), so
+with gradient accumulation one optimizer step is one step. ``no_sync``
+(``accelerator.accumulate`` under DDP) is DDP's own and is seen by
+``no_sync_accumulation`` as in any loop. Ranks started with
+``accelerate.debug_launcher`` / ``notebook_launcher`` go through
+``torch.multiprocessing.start_processes``, which :mod:`pytest_torchperf.ranks`
+watches.
+
+Frames in ``accelerate`` are the framework's (notes, not failures).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..patching import Patcher
+
+__all__ = ["NAME", "PACKAGES", "hint", "install"]
+
+NAME = "accelerate"
+PACKAGES = ("accelerate",)
+
+
+def hint(frame: Any, op: str) -> str:
+    return ""
+
+
+def install(patcher: Patcher) -> None:
+    """Nothing to patch: automatic steps and the torch probes see an accelerate loop."""

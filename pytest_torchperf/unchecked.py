@@ -1,0 +1,119 @@
+"""No green "not checked": what a watched test does when a default invariant could not check anything.
+
+A default invariant (``no_host_sync``, ``on_device``...) that saw nothing to
+judge (no training step, a probe that could not attach) reports "not
+checked" with its reason. The session option ``--torchperf-not-checked``
+(ini ``torchperf_not_checked``) decides what that does to the test:
+
+- ``warn`` (the default): the test passes with a :class:`NotCheckedWarning`
+  naming the test, the invariant and the reason;
+- ``fail``: the test fails with that message (under ``--torchperf-report-only``
+  it warns instead);
+- ``pass``: nothing but the summary line.
+
+Either way the torchperf terminal summary shows the reason on the test's line
+without ``-v`` and counts such tests in its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from ._lazy import lazy_module
+from .errors import suggest
+
+if TYPE_CHECKING:
+    from . import registry
+    from .report import Report
+else:  # loaded when a watched test is judged: an unmarked session pays nothing
+    registry = lazy_module("pytest_torchperf.registry")
+
+NOT_CHECKED = "not checked"
+
+__all__ = ["MODES", "NotCheckedWarning", "add_options", "is_default", "act", "resolve", "unchecked"]
+
+MODES = ("warn", "fail", "pass")
+_KEY = pytest.StashKey[str]()
+
+
+class NotCheckedWarning(UserWarning):
+    """A default invariant of a watched test could not check anything."""
+
+
+def _mode_arg(value: str) -> str:
+    if value not in MODES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(MODES)}, got {value!r}{suggest(value, MODES)}")
+    return value
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """``--torchperf-not-checked`` and its ini twin."""
+    group = parser.getgroup("torchperf")
+    group.addoption(
+        "--torchperf-not-checked",
+        metavar="ACTION",
+        type=_mode_arg,
+        default=None,
+        help="what a default invariant that could not check anything (no training step seen...) does to the "
+        "test: warn (default: a warning naming the test and the reason), fail, or pass (ini: torchperf_not_checked)",
+    )
+    parser.addini("torchperf_not_checked", f"what a 'not checked' default invariant does: {', '.join(MODES)}",
+                  type="string", default="")
+
+
+def resolve(config: pytest.Config) -> str:
+    """Command line > ini > ``warn``; an ini value is validated like the command line's. Stashed on ``config``."""
+    mode = config.getoption("torchperf_not_checked", None)
+    if mode is None:
+        value = str(config.getini("torchperf_not_checked") or "").strip()
+        if value:
+            try:
+                mode = _mode_arg(value)
+            except argparse.ArgumentTypeError as exc:
+                raise pytest.UsageError(f"pytest-torchperf: ini option torchperf_not_checked {exc}") from None
+    config.stash[_KEY] = mode or "warn"
+    return config.stash[_KEY]
+
+
+def is_default(name: str) -> bool:
+    """``name`` is an invariant that is on unless turned off."""
+    try:
+        invariant = registry.get(name)
+    except Exception:  # noqa: BLE001 - a name from another session's JSON
+        return False
+    return bool(invariant.enabled(invariant.default))
+
+
+def unchecked(report: Report) -> list[tuple[str, str]]:
+    """``(name, reason)`` of the default invariants the run could not check."""
+    return [(c.name, c.summary) for c in report.checks.values() if c.status == NOT_CHECKED and is_default(c.name)]
+
+
+def act(item: pytest.Item, report: Report, report_only: bool = False) -> None:
+    """Warn, fail or pass for the default invariants of a passing run that were not checked."""
+    missing = unchecked(report)
+    mode = item.config.stash.get(_KEY, "warn")
+    if not missing or mode == "pass":
+        return
+    reasons = "; ".join(f"{name} not checked ({reason})" for name, reason in _grouped(missing))
+    text = f"torchperf: {item.nodeid}: {reasons}"
+    if mode == "fail" and not report_only:
+        pytest.fail(f"{text} (--torchperf-not-checked=fail)", pytrace=False)
+    warnings.warn(NotCheckedWarning(text), stacklevel=2)
+
+
+def _grouped(missing: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Invariants with the same reason named together: ``("no_host_sync, on_device", reason)``."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in missing:
+        by_reason.setdefault(reason, []).append(name)
+    return [(", ".join(names), reason) for reason, names in by_reason.items()]
+
+
+def summary_parts(checks: dict[str, Any]) -> list[str]:
+    """Names of the default invariants not checked in one test's JSON checks (for the session's count)."""
+    return [name for name, c in checks.items() if c.get("status") == NOT_CHECKED and is_default(name)]

@@ -1,0 +1,198 @@
+"""Automatic steps: a watched loop without ``run.step()`` has its steps found at its optimizer steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from step_check_helpers import batches, report_of, write_module
+
+from pytest_torchperf import watch
+
+LOOP = """
+import torch
+
+def train(watch, batches, accumulate=1, every=1, optimizer=True, mark=False, **options):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(**options) as run:
+        for i, (x, y) in enumerate(batches):
+            step = run.step() if mark else None
+            if step is not None:
+                step.__enter__()
+            loss = torch.nn.functional.mse_loss(model(x), y) / accumulate
+            loss.backward()
+            if optimizer and (i + 1) % accumulate == 0:
+                opt.step()
+                opt.zero_grad()
+            elif not optimizer:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.01 * p.grad
+                        p.grad = None
+            if i % every == 0:
+                value = loss.item()  # HERE
+            if step is not None:
+                step.__exit__(None, None, None)
+    return run
+"""
+
+
+def _loop(tmp_path: Path) -> tuple[object, int]:
+    return write_module(tmp_path, "autoloop", LOOP)
+
+
+def test_a_per_step_item_fails_at_its_line_with_steps_found_at_the_optimizer(tmp_path: Path) -> None:
+    module, line = _loop(tmp_path)
+    report = report_of(module.train, watch, batches(6))  # type: ignore[attr-defined]
+    check = report["no_host_sync"]
+    assert check.status == "failed"
+    assert f"autoloop.py:{line}" in check.summary
+    assert "1 per step over 6 steps" in check.summary
+    assert report.steps == 6
+    assert report.steps_found == "found at optimizer.step()"
+    assert "steps: 6, found at optimizer.step()" in report.summary_line()
+
+
+def test_periodic_logging_is_a_note_under_automatic_steps(tmp_path: Path) -> None:
+    module, _ = _loop(tmp_path)
+    report = report_of(module.train, watch, batches(30), every=10)  # type: ignore[attr-defined]
+    check = report["no_host_sync"]
+    assert check.status == "passed", check.summary
+    assert report.steps == 30
+    assert any(f.title.startswith("note: ") and "periodic" in f.title for f in check.findings)
+
+
+def test_gradient_accumulation_is_one_step_per_optimizer_step(tmp_path: Path) -> None:
+    module, _ = _loop(tmp_path)
+    report = report_of(module.train, watch, batches(24), accumulate=4, every=4)  # type: ignore[attr-defined]
+    assert report.steps == 6
+    assert report["no_host_sync"].status == "failed"  # read once per optimizer step: every step
+
+
+def test_without_an_optimizer_each_backward_pass_is_a_step(tmp_path: Path) -> None:
+    module, _ = _loop(tmp_path)
+    report = report_of(module.train, watch, batches(5), optimizer=False)  # type: ignore[attr-defined]
+    assert report.steps == 5
+    assert report.steps_found == "found at backward()"
+    assert report["no_host_sync"].status == "failed"
+
+
+def test_marked_steps_win(tmp_path: Path) -> None:
+    module, _ = _loop(tmp_path)
+    report = report_of(module.train, watch, batches(4), mark=True)  # type: ignore[attr-defined]
+    assert report.steps == 4
+    assert report.steps_found == ""
+    assert report["no_host_sync"].status == "failed"
+
+
+def test_scope_test_is_not_split_into_automatic_steps(tmp_path: Path) -> None:
+    module, _ = _loop(tmp_path)
+    report = report_of(module.train, watch, batches(4), scope="test")  # type: ignore[attr-defined]
+    assert report.steps_found == ""
+    assert report.steps == 0
+
+
+def test_inference_only_stays_not_checked() -> None:
+    model = torch.nn.Linear(8, 1)
+    with watch() as run:
+        with torch.no_grad():
+            for x, _ in batches(3):
+                model(x)
+    assert run.report is not None
+    assert run.report["no_host_sync"].status == "not checked"
+    assert run.report.steps == 0
+
+
+def test_graph_retention_and_budgets_apply_to_automatic_steps(tmp_path: Path) -> None:
+    module, line = write_module(
+        tmp_path,
+        "retain",
+        """
+        import torch
+
+        def train(watch, batches):
+            model = torch.nn.Linear(8, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            kept = []
+            with watch(no_graph_retention=True, max_syncs_per_step=2) as run:
+                for x, y in batches:
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    kept.append(loss)  # HERE
+                    loss.backward(retain_graph=True)
+                    opt.step()
+                    opt.zero_grad()
+                    loss.item()
+            return run
+        """,
+    )
+    report = report_of(module.train, watch, batches(300))  # the backward passes are sampled: enough of them
+    assert report.steps == 300
+    assert report["no_host_sync"].status == "passed"  # one sync a step, within the budget of 2
+    assert report["no_graph_retention"].status == "failed", report["no_graph_retention"].summary
+
+
+def test_the_hooks_are_gone_after_the_watch(tmp_path: Path) -> None:
+    from pytest_torchperf import autosteps
+
+    module, _ = _loop(tmp_path)
+    report_of(module.train, watch, batches(2))  # type: ignore[attr-defined]
+    assert autosteps.ARMED.count == 0 and autosteps.ARMED.backward == 0
+    assert not getattr(torch.autograd._engine_run_backward, "__wrapped__", None)
+
+
+@pytest.mark.parametrize("mode", ["warn", "fail", "pass"])
+def test_a_fixture_watch_without_training_steps_is_not_green(pytester: pytest.Pytester, mode: str) -> None:
+    pytester.makepyfile(
+        """
+        import torch
+
+        def test_inference(torchperf):
+            model = torch.nn.Linear(4, 1)
+            with torchperf.watch():
+                with torch.no_grad():
+                    model(torch.randn(2, 4))
+        """
+    )
+    result = pytester.runpytest(f"--torchperf-not-checked={mode}", "-p", "no:cacheprovider")
+    if mode == "fail":
+        result.assert_outcomes(failed=1)
+        result.stdout.fnmatch_lines(["*no_host_sync, on_device not checked (no training step observed*"])
+    else:
+        result.assert_outcomes(passed=1, warnings=1 if mode == "warn" else 0)
+    # The reason on the test's summary line and a count, without -v.
+    result.stdout.fnmatch_lines([
+        "*test_inference (not checked: no_host_sync, on_device)*",
+        "*no_host_sync: not checked (no training step observed*",
+        "*1 test with default invariants not checked*",
+    ])
+    if mode == "warn":
+        result.stdout.fnmatch_lines(["*NotCheckedWarning: torchperf: *test_inference*no training step observed*"])
+
+
+def test_the_not_checked_option_and_its_ini_twin_are_validated(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest("--torchperf-not-checked=warns")
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*--torchperf-not-checked*must be one of warn, fail, pass, got 'warns'*did you mean*"])
+    pytester.makeini("[pytest]\ntorchperf_not_checked = fial\n")
+    result = pytester.runpytest()
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*ini option torchperf_not_checked must be one of warn, fail, pass, got 'fial'*"])
+
+
+def test_the_ini_twin_sets_the_action(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ntorchperf_not_checked = fail\n")
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.torchperf
+        def test_nothing_trains():
+            pass
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
