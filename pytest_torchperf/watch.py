@@ -17,7 +17,7 @@ import importlib
 import sys
 from typing import Any, Iterator, Optional
 
-from . import core, lightning, registry, stacks
+from . import core, dynamo_frames, lightning, registry, stacks
 from .core import Run
 from .options import Options, parse_options
 from .patching import Patcher, lift_all, relay_all
@@ -72,6 +72,7 @@ def start(run: Run) -> None:
         _installed[probe.name] = patcher
         _needs[probe.name] = tuple(probe.needs)
     run.checks = registry.make_checks(run)  # after the probes: a check may ask its probe for something
+    dynamo_frames.skip_own_frames()  # compiled code runs the same watched (torchperf's modules are all loaded now)
     run.start()
 
 
@@ -130,6 +131,7 @@ def _keep_torch_caches(patcher: Patcher) -> None:
     patches lifted for that moment.
     """
     patcher.on_import("torch._dynamo.trace_rules", lambda module: _lifted(_fill_caches))
+    patcher.on_import("torch._dynamo.eval_frame", lambda module: dynamo_frames.skip_own_frames())
 
 
 def _fill_caches(import_torch: bool = False) -> None:
