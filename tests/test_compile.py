@@ -198,3 +198,56 @@ def test_max_graph_breaks_is_validated() -> None:
     with pytest.raises(UsageError, match="max_graph_breaks"):
         with watch(max_graph_breaks=-1):
             pass
+
+
+def test_torch_dynamo_reset_during_the_run_keeps_the_compiles_counted() -> None:
+    model = torch.nn.Linear(8, 1)
+    compiled = torch.compile(model, backend="eager")
+
+    def body(run: Any) -> None:
+        torch._dynamo.reset()  # clears dynamo's callbacks, the probe's too
+        _loop(lambda x, y: torch.nn.functional.mse_loss(compiled(x), y), model)(run)
+
+    check = report_of(body, no_recompiles=True).checks["no_recompiles"]
+    assert check.status == PASSED
+    assert check.figures["compiles"] >= 1
+    assert check.figures["dynamo_resets"] == 1
+    assert check.summary.endswith("; torch._dynamo.reset() called once")
+
+
+RAGGED = """
+    import pytest
+    import torch
+    from torchperf_models import TinyModule, make_loader, make_trainer
+
+    class Compiled(TinyModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.compile(self.layer, backend="eager")
+
+    @pytest.mark.torchperf(no_recompiles=True)
+    def test_fit(tmp_path):
+        loader = make_loader(num_workers=0, n=19, drop_last=DROP_LAST)  # batches of 8, 8 and 3
+        make_trainer(tmp_path, max_epochs=2, limit_val_batches=0).fit(Compiled(), loader)
+"""
+
+
+@pytest.mark.slow
+def test_a_ragged_last_batch_recompiles_a_lightning_fit_and_drop_last_passes(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(test_fit=RAGGED.replace("DROP_LAST", "False"))
+    result = user_models.runpytest("-p", "no:warnings")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*torchperf: 1 invariant broken: no_recompiles (1 recompile after warm-up)",
+            "*was compiled again 1 time after warm-up",
+            "  recompiled in: epoch 0 (train)",
+            "  a smaller batch: 3 rows where the compiled code expected 8 (the ragged last batch of an epoch*",
+            "  guard that failed: tensor * size mismatch at index 0. expected 8, actual 3",
+            "*",
+            "  hint: drop the ragged last batch (DataLoader(..., drop_last=True)), or compile for changing batch sizes*",
+        ],
+        consecutive=False,
+    )
+    user_models.makepyfile(test_fit=RAGGED.replace("DROP_LAST", "True"))
+    user_models.runpytest("-p", "no:warnings").assert_outcomes(passed=1)
