@@ -78,6 +78,7 @@ BUILTIN = (
     "no_unused_parameters_search",
     "no_sync_accumulation",
     "no_graph_breaks",
+    "no_debug_modes",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.

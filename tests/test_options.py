@@ -13,7 +13,7 @@ def test_bare_marker_means_the_defaults() -> None:
     assert options.scope == "training_step"
     assert options.max_overhead is None
     assert options.enabled_checks == (
-        "no_host_sync", "on_device", "no_iterator_reset", "no_data_parallel", "no_graph_breaks"
+        "no_host_sync", "on_device", "no_iterator_reset", "no_data_parallel", "no_graph_breaks", "no_debug_modes"
     )
 
 
