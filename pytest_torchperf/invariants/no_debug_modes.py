@@ -82,19 +82,30 @@ class DebugModesCheck(Check):
         self.modes: dict[str, _Mode] = {}
         self.stacks: dict[str, Stack] = {}
         self.steps = 0
+        self._anomaly, self._profiler, self._deterministic = debug_modes.readers()
+        self._graphs = graph_probe.PROBE
+        #: Read at the first step: CUDA reads the variable once, when it starts.
+        self._launch_blocking: Optional[bool] = None
 
     def on_step_start(self) -> None:
         self.steps += 1
-        states = debug_modes.states()
-        if states["anomaly"] and graph_probe.PROBE._restore is not None:
-            states["anomaly"] = False  # torchperf's own creation trace
-        for mode, on in states.items():
-            if on:
-                seen = self.modes.get(mode)
-                if seen is None:
-                    seen = self.modes[mode] = _Mode()
-                    seen.first = self.run.units
-                seen.steps += 1
+        if self._anomaly() and self._graphs._restore is None:  # not torchperf's own creation trace
+            self._on("anomaly")
+        if self._profiler():
+            self._on("profiler")
+        if self._deterministic():
+            self._on("deterministic")
+        if self._launch_blocking is None:
+            self._launch_blocking = debug_modes.launch_blocking()
+        if self._launch_blocking:
+            self._on("launch_blocking")
+
+    def _on(self, mode: str) -> None:
+        seen = self.modes.get(mode)
+        if seen is None:
+            seen = self.modes[mode] = _Mode()
+            seen.first = self.run.units
+        seen.steps += 1
 
     def on_run_end(self) -> None:
         for mode in self.modes:

@@ -4,8 +4,8 @@ Wraps ``torch.set_anomaly_enabled`` (which ``torch.autograd.detect_anomaly`` and
 ``set_detect_anomaly`` call), ``torch.use_deterministic_algorithms`` and the
 ``__enter__`` of ``torch.autograd.profiler.profile`` / ``emit_nvtx``, and
 keeps the stack of the last call that turned each one on. The states
-themselves are read by the check at each step start (one C call each):
-:func:`states`. Nothing changes what the functions do.
+themselves are read by the check at each step start (one C call each,
+:func:`readers`; the environment variable once, :func:`launch_blocking`). Nothing changes what the functions do.
 """
 
 from __future__ import annotations
@@ -76,17 +76,21 @@ class DebugModesProbe(Probe):
                 patcher.wrap(cls, "__enter__", recorder("profiler", entered))
 
 
-def states() -> dict[str, bool]:
-    """Which debug modes are on now (read from torch and the environment)."""
+def readers() -> tuple[Callable[[], bool], Callable[[], bool], Callable[[], bool]]:
+    """The functions that say whether anomaly detection, the autograd profiler, deterministic algorithms are on."""
     import torch
 
-    enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
-    return {
-        "anomaly": bool(torch.is_anomaly_enabled()),
-        "profiler": bool(enabled()) if callable(enabled) else False,
-        "launch_blocking": os.environ.get("CUDA_LAUNCH_BLOCKING", "0").strip() not in ("", "0"),
-        "deterministic": bool(torch.are_deterministic_algorithms_enabled()),
-    }
+    profiler = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+    return (
+        torch.is_anomaly_enabled,
+        profiler if callable(profiler) else (lambda: False),
+        torch.are_deterministic_algorithms_enabled,
+    )
+
+
+def launch_blocking() -> bool:
+    """Whether ``CUDA_LAUNCH_BLOCKING`` is set (CUDA reads it when it starts)."""
+    return os.environ.get("CUDA_LAUNCH_BLOCKING", "0").strip() not in ("", "0")
 
 
 def turned_on(mode: str) -> Optional[Stack]:
