@@ -79,6 +79,7 @@ BUILTIN = (
     "no_sync_accumulation",
     "no_graph_breaks",
     "no_debug_modes",
+    "gpu_settings",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.
