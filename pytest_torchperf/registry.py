@@ -80,6 +80,7 @@ BUILTIN = (
     "no_graph_breaks",
     "no_debug_modes",
     "gpu_settings",
+    "no_oversubscription",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.
