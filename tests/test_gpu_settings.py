@@ -15,7 +15,11 @@ from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED
 
 def _convnet_steps(batches: Any, steps: int = 4) -> Any:
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 1)
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4, 1),
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -60,7 +64,9 @@ def test_ampere_defaults_and_fixed_shapes_fail_on_cpu() -> None:
     assert "PyTorch's default" in tf32.facts[1]
     assert "set_float32_matmul_precision('high')" in tf32.hint
     assert benchmark.title == "cudnn.benchmark is False while every step's convolution shapes were identical"
-    assert benchmark.facts[0].startswith("every one of the 4 steps ran its convolutions on the same 1 input shape: [8, 3, 8, 8] float32")
+    assert benchmark.facts[0] == (
+        "every one of the 4 steps ran its convolutions on the same 1 input shape: [8, 3, 8, 8] float32"
+    )
     assert check.figures["steps_with_convolutions"] == 4
 
 

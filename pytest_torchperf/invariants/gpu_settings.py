@@ -76,7 +76,8 @@ class Target(ArgumentKind):
         raise UsageError(f"{where}: {name} must be {self.describe()}, got {value!r}{hint}")
 
     def describe(self, meaning: str = "") -> str:
-        return "True (the run's CUDA device), a GPU generation (" + ", ".join(repr(g) for g in GENERATIONS) + ") or None"
+        names = ", ".join(repr(g) for g in GENERATIONS)
+        return f"True (the run's CUDA device), a GPU generation ({names}) or None"
 
     def schema(self) -> dict[str, Any]:
         return {"anyOf": [{"type": "boolean"}, {"enum": list(GENERATIONS)}, {"type": "null"}]}
@@ -150,12 +151,13 @@ class GpuSettingsCheck(Check):
                     "(TF32 matmuls are off unless you turn them on)"
                 )
         if "cuDNN convolutions" in off:
-            facts.append("torch.backends.cudnn.allow_tf32 is False (PyTorch's default is True: your code turned it off)")
+            facts.append("torch.backends.cudnn.allow_tf32 is False (PyTorch's default is True: it was turned off)")
         if self.autocast:
             facts.append(f"the steps entered autocast {plural(self.autocast, 'time')}: matmuls in it are not float32")
         hint = (
             "torch.set_float32_matmul_precision('high') (TF32 matmuls: 10 bits of mantissa, what most training "
-            "needs) and leave torch.backends.cudnn.allow_tf32 True; keep 'highest' only where float32 accuracy is needed"
+            "needs) and leave torch.backends.cudnn.allow_tf32 True; keep 'highest' only where float32 accuracy "
+            "is needed"
         )
         return Finding(f"TF32 is off for {' and '.join(off)}", facts, sites, hint)
 
@@ -167,8 +169,8 @@ class GpuSettingsCheck(Check):
         shown = ", ".join(f"{list(shape)} {dtype.replace('torch.', '')}" for shape, dtype in shapes[:3])
         more = f" and {len(shapes) - 3} more" if len(shapes) > 3 else ""
         facts = [
-            f"every one of the {len(with_convs)} steps ran its convolutions on the same {plural(len(shapes), 'input shape')}: "
-            f"{shown}{more}",
+            f"every one of the {len(with_convs)} steps ran its convolutions on the same "
+            f"{plural(len(shapes), 'input shape')}: {shown}{more}",
             "with fixed shapes cuDNN picks its fastest algorithm once per shape and reuses it",
         ]
         hint = "torch.backends.cudnn.benchmark = True (Lightning: Trainer(benchmark=True)) when input shapes are fixed"

@@ -148,7 +148,10 @@ class GraphBreakCheck(Check):
         }
         if self.attached is False:
             return CheckResult(
-                NAME, NOT_CHECKED, "this torch version's dynamo has no graph-break hook torchperf knows", figures=figures
+                NAME,
+                NOT_CHECKED,
+                "this torch version's dynamo has no graph-break hook torchperf knows",
+                figures=figures,
             )
         if not self.compiles and not sites:
             return CheckResult(

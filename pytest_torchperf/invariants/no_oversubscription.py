@@ -124,7 +124,8 @@ class OversubscriptionCheck(Check):
         if not self.main:
             return CheckResult(NAME, PASSED, "no training step ran: nothing to count", 0, [], figures)
         if total <= cores:
-            return CheckResult(NAME, PASSED, f"{plural(total, 'CPU thread')} for {plural(cores, 'core')}", 0, [], figures)
+            summary = f"{plural(total, 'CPU thread')} for {plural(cores, 'core')}"
+            return CheckResult(NAME, PASSED, summary, 0, [], figures)
         who, site = self._who()
         facts = [f"cores this process may use: {cores} (os.sched_getaffinity)"]
         facts.append(f"main process: {plural(self.main, 'torch thread')} ({who})")
@@ -133,7 +134,7 @@ class OversubscriptionCheck(Check):
         if self.ranks > 1:
             facts.append(f"ranks: {self.ranks_from}, each with the threads above")
         if workers and not any(os.environ.get(n) for n in _ENV):
-            facts.append("OMP_NUM_THREADS is not set: numpy/OpenCV in each worker may start one thread per core as well")
+            facts.append("OMP_NUM_THREADS is not set: numpy/OpenCV in each worker may start one thread per core too")
         budget = max(cores // max(self.ranks, 1) - workers, 1)
         hint = (
             f"give the compute threads the cores the workers leave: torch.set_num_threads({budget}) in the training "
