@@ -251,3 +251,43 @@ def test_a_ragged_last_batch_recompiles_a_lightning_fit_and_drop_last_passes(use
     )
     user_models.makepyfile(test_fit=RAGGED.replace("DROP_LAST", "True"))
     user_models.runpytest("-p", "no:warnings").assert_outcomes(passed=1)
+
+
+def test_each_break_is_a_baseline_observation_keyed_by_its_site() -> None:
+    from pytest_torchperf.baseline import observe
+
+    model = torch.nn.Linear(8, 1)
+
+    def breaking(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        return loss * 0 if loss.item() > 1e6 else loss  # the break
+
+    report = report_of(_loop(torch.compile(breaking, backend="eager"), model))
+    (observation,) = [o for o in observe(report) if o.invariant == "no_graph_breaks"]
+    assert observation.file == "tests/test_compile.py"
+    assert observation.function == "breaking"
+    assert observation.source.startswith("return loss * 0 if loss.item() > 1e6 else loss")
+
+
+FULLGRAPH = """
+    import pytest
+    import torch
+    from torchperf_models import TinyModule, make_loader, make_trainer
+
+    class Step(TinyModule):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    @pytest.mark.torchperf
+    def test_fit(tmp_path):
+        module = torch.compile(Step(), backend="eager", fullgraph=True)
+        make_trainer(tmp_path, max_epochs=2, limit_val_batches=0).fit(module, make_loader(num_workers=0))
+"""
+
+
+@pytest.mark.slow
+def test_a_fullgraph_compiled_fit_passes_under_the_bare_marker(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(test_fit=FULLGRAPH)
+    result = user_models.runpytest("-p", "no:warnings")
+    result.assert_outcomes(passed=1)
