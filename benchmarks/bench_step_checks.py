@@ -181,7 +181,9 @@ def measure(kind: str, rounds: int, reps: int) -> dict[str, object]:
 
         def step_checks_only() -> float:
             # Probes are installed for the invariants a run checks: these two alone.
-            with watch(no_iterator_reset=False, no_data_parallel=False) as run:
+            with watch(
+                no_iterator_reset=False, no_data_parallel=False, no_graph_breaks=False, no_debug_modes=False
+            ) as run:
                 return block(watched_steps(run))
 
         return {"A": plain, "A'": plain, "S": step_checks_only, "B": watched, "C": installed}

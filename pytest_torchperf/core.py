@@ -54,6 +54,8 @@ EVENTS: dict[str, str] = {
     "on_data_parallel_forward": "(module, stack): a torch.nn.DataParallel forward pass (stack: a callable)",
     "on_ddp_forward": "(ddp): a DistributedDataParallel forward pass (probe ddp)",
     "on_ddp_armed": "(reducer): DDP's reducer was prepared for a backward: one all-reduce round armed",
+    "on_dynamo_reset": "(): torch._dynamo.reset() emptied dynamo's caches (probe recompiles)",
+    "on_graph_break": "(event): dynamo took a graph break while compiling (probe graph_breaks: a GraphBreak)",
     "on_run_end": "(): the run stops, its probes still installed (read probe state here, not in result())",
     "on_framework_call": "(call): another framework's training call began (frameworks._calls.FrameworkCall)",
 }

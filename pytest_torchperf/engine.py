@@ -30,7 +30,7 @@ import importlib
 import sys
 from typing import Any, Callable, Optional, Protocol
 
-from . import autosteps, core, frameworks, registry, stacks
+from . import autosteps, core, dynamo_frames, frameworks, registry, stacks
 from .core import Run
 from .frameworks import lightning
 from .patching import Patcher, lift_all, relay_all
@@ -112,6 +112,7 @@ class Engine:
                 self.autosteps = Patcher()
                 autosteps.install(self.autosteps)
             autosteps.arm(run)
+            dynamo_frames.skip_own_frames()  # compiled code runs the same watched (torchperf's modules are all loaded now)
             run.start()  # registered last: nothing can fail after this
             undo.pop_all()
 
@@ -248,6 +249,7 @@ def _keep_torch_caches(patcher: Patcher) -> None:
     patches lifted for that moment.
     """
     patcher.on_import("torch._dynamo.trace_rules", lambda module: _lifted(_fill_caches))
+    patcher.on_import("torch._dynamo.eval_frame", lambda module: dynamo_frames.skip_own_frames())
 
 
 def _fill_caches(import_torch: bool = False) -> None:

@@ -79,6 +79,10 @@ BUILTIN = (
     "max_memory_growth",
     "no_unused_parameters_search",
     "no_sync_accumulation",
+    "no_graph_breaks",
+    "no_debug_modes",
+    "gpu_settings",
+    "no_oversubscription",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.

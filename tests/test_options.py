@@ -12,7 +12,9 @@ def test_bare_marker_means_the_defaults() -> None:
     assert options == Options()
     assert options.scope == "training_step"
     assert options.max_overhead is None
-    assert options.enabled_checks == ("no_host_sync", "on_device", "no_iterator_reset", "no_data_parallel")
+    assert options.enabled_checks == (
+        "no_host_sync", "on_device", "no_iterator_reset", "no_data_parallel", "no_graph_breaks", "no_debug_modes"
+    )
 
 
 def test_max_overhead_enables_its_check_and_is_stored_as_float() -> None:

@@ -91,11 +91,12 @@ def test_warm_up_recompiles_of_a_correct_fit_pass(tmp_path) -> None:
             self.net = torch.compile(self.net, backend="eager")
 
     check = report_of(
-        lambda run: trainer(tmp_path, max_epochs=3).fit(Compiled(), loader(), loader()), no_recompiles=True
+        lambda run: trainer(tmp_path, max_epochs=3).fit(Compiled(), loader(drop_last=True), loader(drop_last=True)),
+        no_recompiles=True,
     )["no_recompiles"]
     assert check.status == PASSED, check.summary
-    # Sanity check in eval mode, then training (grad mode), then the last batch of 4 (dynamic shapes).
-    assert check.figures["recompiles_in_warmup"] >= 2
+    # Sanity check in eval mode, then training (grad mode): the first compile of each mode.
+    assert check.figures["recompiles_in_warmup"] >= 1
     assert check.figures["recompiles_after_warmup"] == 0
     assert check.summary.startswith(f"{check.figures['compiles']} compiles, no recompile after warm-up (")
 
@@ -114,14 +115,16 @@ def test_recompile_limit_hit_fails_even_in_the_first_epoch() -> None:
                 optimizer.step()
 
     check = report_of(body, no_recompiles=True)["no_recompiles"]
-    assert check.status == FAILED
-    assert check.summary == "1 recompile limit hit"
-    assert check.figures["recompile_limit_hits"] == 1
-    assert check.figures["recompiles_after_warmup"] == 0
-    (finding,) = check.findings
     limit = torch._dynamo.config.recompile_limit
+    assert check.status == FAILED
+    # The first epoch is no warm-up: each change of the attribute is a recompile.
+    assert check.summary == f"{limit - 1} recompiles after warm-up, 1 recompile limit hit"
+    assert check.figures["recompile_limit_hits"] == 1
+    assert check.figures["recompiles_after_warmup"] == limit - 1
+    (finding,) = check.findings
     assert finding.title == (
-        f"forward (tests/test_recompiles.py:{Scaled.forward.__code__.co_firstlineno}) hit "
+        f"forward (tests/test_recompiles.py:{Scaled.forward.__code__.co_firstlineno}) was compiled again "
+        f"{limit - 1} times after warm-up, then hit "
         f"torch._dynamo.config.recompile_limit ({limit}) after {limit - 1} recompiles: "
         "it runs uncompiled from then on"
     )
@@ -131,15 +134,29 @@ def test_recompile_limit_hit_fails_even_in_the_first_epoch() -> None:
     assert finding.sites[0].frame.source == "torch.nn.functional.mse_loss(compiled(x), y).backward()"
 
 
-def test_a_plain_loop_warms_up_for_its_first_epoch() -> None:
+def test_a_plain_loop_s_ragged_last_batch_fails_in_the_first_epoch_and_drop_last_passes() -> None:
     model = torch.nn.Linear(8, 1)
     compiled = torch.compile(model, backend="eager")
     check = report_of(
         lambda run: train(run, model, loader(), epochs=3, forward=lambda m, x: compiled(x)), no_recompiles=True
     )["no_recompiles"]
+    assert check.status == FAILED, check.summary
+    assert check.summary == "1 recompile after warm-up"
+    assert check.figures["ragged_batch_recompiles"] == 1  # the last batch of 4, once: then dynamic
+    (finding,) = check.findings
+    assert finding.facts[0] == "recompiled in: epoch 0 (step 5)"
+    assert finding.facts[1].startswith("a smaller batch: 4 rows where the compiled code expected 8")
+    assert "size mismatch at index 0. expected 8, actual 4" in finding.facts[2]
+    assert finding.hint.startswith("drop the ragged last batch (DataLoader(..., drop_last=True))")
+    assert "dynamic=True" in finding.hint and "mark_dynamic" in finding.hint
+
+    torch._dynamo.reset()
+    check = report_of(
+        lambda run: train(run, model, loader(drop_last=True), epochs=3, forward=lambda m, x: compiled(x)),
+        no_recompiles=True,
+    )["no_recompiles"]
     assert check.status == PASSED, check.summary
-    assert check.figures["recompiles_in_warmup"] == 1  # the last batch of 4, in epoch 0
-    assert check.figures["warmup"] == "the first epoch"
+    assert check.figures["warmup"] == "the first compile of each mode (grad mode, autocast, train/eval)"
 
 
 def test_recompile_warmup_steps_narrows_the_warm_up() -> None:
@@ -154,7 +171,7 @@ def test_recompile_warmup_steps_narrows_the_warm_up() -> None:
     assert check.summary == "1 recompile after warm-up"
     (finding,) = check.findings
     assert finding.facts[0] == "recompiled in: step 5"  # the last, smaller batch
-    assert finding.facts[1].startswith("guard that failed: tensor ") and "size mismatch" in finding.facts[1]
+    assert finding.facts[2].startswith("guard that failed: tensor ") and "size mismatch" in finding.facts[2]
     assert check.figures["warmup"] == "the first 2 training steps"
 
 

@@ -290,6 +290,8 @@ def every_invariant() -> dict[str, Any]:
             out[name] = True
         elif name == "max_overhead":
             out[name] = 0.5
+        elif name == "gpu_settings":
+            out[name] = "ampere"
         else:
             out[name] = getattr(invariant.kind, "minimum", None) or 1
     return out

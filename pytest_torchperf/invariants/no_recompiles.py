@@ -7,15 +7,21 @@ time. After ``torch._dynamo.config.recompile_limit`` (8) compiles of one
 function it gives up and runs that function uncompiled for the rest of the
 process, silently.
 
-Some recompiles are warm-up: the first validation (eval mode, no grad), the
-last, smaller batch of the first epoch (after which dynamo compiles a
-dynamic-shape version). So recompiles only count after **warm-up, the first
-epoch**: in a Lightning fit, epoch 0 (with its sanity check and validation); a
-``validate``/``test``/``predict`` call is warm-up from start to end; outside
-Lightning, everything until some DataLoader starts its second pass, or, with
-no DataLoader, the first training step. ``recompile_warmup_steps=N`` replaces
-that with "the first N training steps". Hitting the recompile limit fails the
-check whenever it happens.
+Some recompiles are warm-up: the first compile of each mode the code runs in
+(the first validation: eval mode, no grad; autocast on or off). So **warm-up is
+the first compile of each such signature**: a recompile whose failed guard is
+only dynamo's global state (grad mode, autocast...) or a module's ``training``
+flag does not count, whenever it happens; every other recompile counts, in
+the first epoch too. The commonest is the ragged last batch of an epoch
+(``drop_last=False``: 3 rows after batches of 8): dynamo compiles the function
+again for its size, then a dynamic-shape version; it is reported with its guard
+and the fixes (``drop_last=True``, ``torch.compile(..., dynamic=True)``,
+``torch._dynamo.mark_dynamic(x, 0)``). A ``validate``/``test``/``predict``
+call is warm-up from start to end. ``recompile_warmup_steps=N`` replaces all
+of it with "the first N training steps". Hitting the recompile limit fails the
+check whenever it happens. ``torch._dynamo.reset()`` during the run empties
+dynamo's caches: the compiles after it are first compiles again (counted in
+the figures as ``dynamo_resets``).
 
 The probe (:mod:`pytest_torchperf.probes.recompiles`) patches two functions
 in ``torch._dynamo.convert_frame`` (when dynamo is first imported, if that
@@ -43,13 +49,16 @@ from ..probes.recompiles import PROBE
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import Stack, display_path
-from ..text import plural
+from ..text import plural, times
 
 if TYPE_CHECKING:
     from ..core import Run
 
 NAME = "no_recompiles"
 
+#: Guards on the mode the code runs in: the first compile of each mode is warm-up.
+_MODE_GUARDS = ("GLOBAL_STATE changed", "grad_mode", "autocast", ".training", "is_grad_enabled", "is_inference")
+_SIZE = re.compile(r"size mismatch at index (?P<dim>\d+)\. expected (?P<expected>\d+), actual (?P<actual>\d+)")
 _COMPILE_ID = re.compile(r"^\s*\[?\d+/\d+\]?\s*:\s*")
 _HINT = re.compile(r"\s*\(HINT:\s*(?P<hint>.*)\)\s*$")
 _SOURCE = re.compile(r"\s+#\s+")
@@ -65,6 +74,19 @@ class _Recompile:
     warm: bool
     label: str
     limit: Optional[str] = None
+
+    @property
+    def ragged(self) -> Optional[tuple[int, int, int]]:
+        """``(dim, expected, actual)`` when the guard failed on a smaller size of a tensor's first dimension."""
+        match = _SIZE.search(self.guard)
+        if match is None:
+            return None
+        dim, expected, actual = (int(match.group(g)) for g in ("dim", "expected", "actual"))
+        return (dim, expected, actual) if dim == 0 and actual < expected else None
+
+
+def _mode_change(guard: str) -> bool:
+    return any(word in guard for word in _MODE_GUARDS)
 
 
 def parse_reason(reason: str) -> tuple[str, str, str]:
@@ -114,29 +136,31 @@ class RecompileCheck(Check):
         self.log = LOADERS.log_for(run)
         self.compiles = 0
         self.recompiles: list[_Recompile] = []
+        #: torch._dynamo.reset() calls during the run.
+        self.resets = 0
         #: Whether the probe could attach to dynamo (None: dynamo never imported), read at the run's end.
         self.attached: Optional[bool] = None
 
     def on_run_end(self) -> None:
         self.attached = PROBE.attached
 
-    def _phase(self) -> tuple[bool, str]:
-        """(still warming up, where the run is) for an event happening now."""
+    def _phase(self, guard: str) -> tuple[bool, str]:
+        """(warm-up, where the run is) for a recompile happening now on ``guard``."""
         steps = self.run.steps
         limit = self.run.options.recompile_warmup_steps
         if limit is not None:
             return steps <= limit, f"step {steps}"
+        warm = _mode_change(guard)
         call = lightning.current_call()
         stage = lightning.stage_label()
         if call is not None and stage is not None:
             if call.kind != "fit":
                 return True, f"Trainer.{call.kind}"
-            epoch = getattr(call.trainer, "current_epoch", 0) or 0
-            return epoch < 1, stage[0]
+            return warm, stage[0]
         passes = self.log.most_passes
         if passes:
-            return passes < 2, f"epoch {passes - 1} (step {steps})"
-        return steps <= 1, f"step {steps}"
+            return warm, f"epoch {passes - 1} (step {steps})"
+        return warm, f"step {steps}"
 
     # -- events ----------------------------------------------------------------------
     def on_compile(self) -> None:
@@ -144,8 +168,11 @@ class RecompileCheck(Check):
 
     def on_recompile(self, code: CodeType, reasons: list[str], stack: Stack) -> None:
         guard, source, hint = parse_reason(_telling(reasons)) if reasons else ("(dynamo gave no reason)", "", "")
-        warm, label = self._phase()
+        warm, label = self._phase(guard)
         self.recompiles.append(_Recompile(code, guard, source, hint, stack, warm, label))
+
+    def on_dynamo_reset(self) -> None:
+        self.resets += 1
 
     def on_recompile_limit(self, limit: str) -> None:
         if self.recompiles:
@@ -156,7 +183,7 @@ class RecompileCheck(Check):
         limit = self.run.options.recompile_warmup_steps
         if limit is not None:
             return f"the first {limit} training steps"
-        return "the first epoch"
+        return "the first compile of each mode (grad mode, autocast, train/eval)"
 
     def _finding(self, events: list[_Recompile]) -> Finding:
         code = events[0].code
@@ -187,6 +214,13 @@ class RecompileCheck(Check):
         if warm and after:
             facts.append(f"{warm} more during warm-up ({self._warmup_text()}), not counted")
         sites = merge_sites([Site("compiled function called", e.stack) for e in shown])
+        ragged = next((e.ragged for e in shown if e.ragged), None)
+        if ragged is not None:
+            facts.insert(
+                1,
+                f"a smaller batch: {ragged[2]} rows where the compiled code expected {ragged[1]} (the ragged last "
+                "batch of an epoch, drop_last=False): dynamo compiles again for it, then a dynamic-shape version",
+            )
         dynamo_hint = next((e.hint for e in reversed(shown) if e.hint), "")
         hint = (
             "each failed guard is a value the compiled code was specialised on. Pass changing numbers as "
@@ -196,6 +230,12 @@ class RecompileCheck(Check):
             "them dynamic (torch._dynamo.mark_dynamic), and keep train/eval switches out of the steady state; "
             "TORCH_LOGS=recompiles shows every recompile."
         )
+        if ragged is not None:
+            hint = (
+                "drop the ragged last batch (DataLoader(..., drop_last=True)), or compile for changing batch sizes "
+                "from the start: torch.compile(..., dynamic=True), or torch._dynamo.mark_dynamic(x, 0) on the "
+                "batch before the first call. " + hint[0].upper() + hint[1:]
+            )
         if dynamo_hint:
             hint = f"dynamo says: {dynamo_hint} " + hint[0].upper() + hint[1:]
         return Finding(title, facts, sites, hint)
@@ -214,6 +254,8 @@ class RecompileCheck(Check):
             "recompiles_after_warmup": len(after),
             "recompile_limit_hits": len(limits),
             "warmup": self._warmup_text(),
+            "ragged_batch_recompiles": sum(1 for e in after if e.ragged),
+            "dynamo_resets": self.resets,
             "functions": [
                 {
                     "function": _function(events[0].code),
@@ -246,6 +288,8 @@ class RecompileCheck(Check):
             summary = f"{plural(self.compiles, 'compile')}, no recompile after warm-up"
             if compiled:
                 summary += f" ({len(compiled)} during warm-up)"
+            if self.resets:
+                summary += f"; torch._dynamo.reset() called {times(self.resets)}"
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
@@ -265,7 +309,7 @@ def _limit_value(name: str) -> Any:
 
 INVARIANT = Invariant(
     name=NAME,
-    doc="torch.compile'd code is not compiled again after warm-up (the first epoch)",
+    doc="torch.compile'd code is not compiled again after warm-up (the first compile of each mode)",
     check=RecompileCheck,
     kind=Flag(),
     default=False,
@@ -276,7 +320,7 @@ INVARIANT = Invariant(
             Integer(minimum=0),
             None,
             "count recompiles during the first N training steps as warm-up "
-            "(default: the first epoch)",
+            "(default: only the first compile of each mode: grad mode, autocast, train/eval)",
             meaning="training steps whose recompiles count as warm-up",
         ),
     ),

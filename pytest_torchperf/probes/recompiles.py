@@ -7,7 +7,9 @@ called on every recompile with the failing guards (the same text
 stack)``, and ``exceeds_recompile_limit``, which sends
 ``on_recompile_limit(name)`` when a limit is hit. Compiles are counted with
 dynamo's compile-start callback (``on_compile()``). Nothing changes dynamo's
-behaviour or logging. :attr:`RecompilesProbe.attached` says whether this torch's
+behaviour or logging. ``torch._dynamo.reset()`` clears dynamo's callbacks: the
+probe registers its own again after it and sends ``on_dynamo_reset()``.
+:attr:`RecompilesProbe.attached` says whether this torch's
 dynamo has the hooks it reads (None: dynamo was never imported).
 """
 
@@ -109,6 +111,7 @@ class RecompilesProbe(Probe):
                     core.notify("on_compile")
 
             handler.register_start_callback(on_start)
+            self._keep_across_reset(patcher, handler, on_start)
 
             def remove() -> None:
                 try:
@@ -117,6 +120,34 @@ class RecompilesProbe(Probe):
                     pass
 
             patcher.callback(remove, deferred=True)
+
+
+    def _keep_across_reset(self, patcher: "Patcher", handler: Any, on_start: Callable[[Any], None]) -> None:
+        """``torch._dynamo.reset()`` clears every compile callback: register ``on_start`` again after it.
+
+        Sends ``on_dynamo_reset()``: dynamo's caches are empty, its next compiles are first compiles.
+        """
+        clear = getattr(type(handler), "clear", None)
+        if not callable(clear):
+            return
+        probe = self
+
+        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def clear(this: Any, *args: Any, **kwargs: Any) -> Any:
+                out = original(this, *args, **kwargs)
+                if this is handler and not probe.disabled:
+                    try:
+                        this.register_start_callback(on_start)
+                        if FLAGS.active:
+                            core.notify("on_dynamo_reset")
+                    except Exception as exc:  # noqa: BLE001 - never into the user's code
+                        probe.failed(exc)
+                return out
+
+            return clear
+
+        patcher.wrap(type(handler), "clear", wrap)
 
 
 PROBE = RecompilesProbe()

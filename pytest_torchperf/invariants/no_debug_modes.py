@@ -1,0 +1,177 @@
+"""Invariant ``no_debug_modes``: no slow debugging switch is on during the training steps.
+
+Switches made for debugging cost every step when they are left on:
+
+- **anomaly detection** (``torch.autograd.set_detect_anomaly(True)``,
+  ``torch.autograd.detect_anomaly()``, Lightning's ``Trainer(detect_anomaly=True)``):
+  every backward records a Python stack per graph node and checks every
+  gradient for NaN: 2-3x slower steps in Lightning users' reports;
+- **the autograd profiler** (``torch.autograd.profiler.profile``,
+  ``emit_nvtx``, a ``torch.profiler`` session): every operator is recorded;
+- **``CUDA_LAUNCH_BLOCKING=1``**: every kernel launch waits for the kernel;
+- **``torch.use_deterministic_algorithms(True)``** (``Trainer(deterministic=True)``):
+  slower kernels, or errors where none is deterministic. Reproducibility is a
+  legitimate choice, so this one is a note; ``allow_deterministic=False`` fails on it.
+
+The check reads each state at the start of every training step (a C call
+each) and the probe (:mod:`pytest_torchperf.probes.debug_modes`) keeps where
+each was turned on during the run: your line, or the Trainer argument. The
+anomaly mode torchperf turns on itself (``no_graph_retention``'s creation
+traces, ``max_overhead``'s replays) is not counted.
+
+Blind spots: a mode turned on before the run is reported without its line;
+``torch.set_anomaly_enabled`` imported by name before the run is not seen
+turning it on (its state still is); profilers other than torch's own (NVIDIA
+Nsight attached from outside) are not seen.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..arguments import Argument, Flag
+from ..core import Check
+from ..probes import debug_modes
+from ..probes import graphs as graph_probe
+from ..registry import Invariant
+from ..report import FAILED, PASSED, CheckResult, Finding, Site
+from ..stacks import FRAMEWORK, TORCHPERF, Stack, site_of
+from ..text import plural
+
+if TYPE_CHECKING:
+    from ..core import Run
+
+NAME = "no_debug_modes"
+
+_WHAT = {
+    "anomaly": "anomaly detection",
+    "profiler": "the autograd profiler",
+    "launch_blocking": "CUDA_LAUNCH_BLOCKING=1",
+    "deterministic": "torch.use_deterministic_algorithms(True)",
+}
+_TRAINER = {"anomaly": "Trainer(detect_anomaly=True)", "deterministic": "Trainer(deterministic=True)"}
+_COST = {
+    "anomaly": "every backward records a stack per graph node and checks each gradient for NaN (2-3x slower steps)",
+    "profiler": "every operator is recorded with its inputs and timings",
+    "launch_blocking": "every CUDA kernel launch waits until the kernel has finished: no overlap of host and device",
+    "deterministic": "deterministic kernels are slower (scatter/index_add, cuBLAS workspace), some raise errors",
+}
+_HINT = {
+    "anomaly": "anomaly detection is for finding a NaN's origin, not for training: remove "
+    "set_detect_anomaly(True) / Trainer(detect_anomaly=True), or turn it on only in a test made to debug",
+    "profiler": "profile a few steps on purpose (torch.profiler.schedule), not the whole run",
+    "launch_blocking": "unset CUDA_LAUNCH_BLOCKING (it is for locating a failing kernel)",
+    "deterministic": "keep it only where reproducibility is needed; allow_deterministic=True accepts it as a note",
+}
+
+
+class _Mode:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.first: Optional[int] = None
+
+
+class DebugModesCheck(Check):
+    """Per-run state and verdict of ``no_debug_modes``."""
+
+    name = NAME
+
+    def __init__(self, run: "Run") -> None:
+        super().__init__(run)
+        self.allow_deterministic: bool = run.options.allow_deterministic
+        self.modes: dict[str, _Mode] = {}
+        self.stacks: dict[str, Stack] = {}
+        self.steps = 0
+        self._anomaly, self._profiler, self._deterministic = debug_modes.readers()
+        self._graphs = graph_probe.PROBE
+        #: Read at the first step: CUDA reads the variable once, when it starts.
+        self._launch_blocking: Optional[bool] = None
+
+    def on_step_start(self) -> None:
+        self.steps += 1
+        if self._anomaly() and self._graphs._restore is None:  # not torchperf's own creation trace
+            self._on("anomaly")
+        if self._profiler():
+            self._on("profiler")
+        if self._deterministic():
+            self._on("deterministic")
+        if self._launch_blocking is None:
+            self._launch_blocking = debug_modes.launch_blocking()
+        if self._launch_blocking:
+            self._on("launch_blocking")
+
+    def _on(self, mode: str) -> None:
+        seen = self.modes.get(mode)
+        if seen is None:
+            seen = self.modes[mode] = _Mode()
+            seen.first = self.run.units
+        seen.steps += 1
+
+    def on_run_end(self) -> None:
+        for mode in self.modes:
+            stack = debug_modes.turned_on(mode)
+            if stack is not None:
+                self.stacks[mode] = stack
+
+    def _where(self, mode: str) -> tuple[str, list[Site]]:
+        stack = self.stacks.get(mode)
+        if mode == "launch_blocking":
+            return "set in the environment (CUDA_LAUNCH_BLOCKING)", []
+        if stack is None:
+            return "turned on before the run started (where is not known)", []
+        frame = site_of(stack)
+        if frame is not None and frame.kind == TORCHPERF:
+            return "turned on before the run started (where is not known)", []
+        if frame is not None and frame.kind == FRAMEWORK and mode in _TRAINER:
+            return f"turned on by the Trainer argument {_TRAINER[mode]}", [Site("turned on", stack)]
+        where = f" at {frame.location()}" if frame is not None else ""
+        return f"turned on{where}", [Site("turned on", stack)]
+
+    def _finding(self, mode: str, seen: _Mode, note: bool) -> Finding:
+        where, sites = self._where(mode)
+        prefix = "note: " if note else ""
+        title = f"{prefix}{_WHAT[mode]} was on in {seen.steps} of {plural(self.steps, 'training step')}"
+        facts = [where] if not sites or "Trainer" in where else []
+        facts.append(f"cost: {_COST[mode]}")
+        if note:
+            facts.append("a note, not a failure: allow_deterministic=False fails on it")
+        return Finding(title, facts, sites, _HINT[mode])
+
+    def result(self) -> CheckResult:
+        figures: dict[str, Any] = {
+            "steps": self.steps,
+            "modes": {mode: seen.steps for mode, seen in self.modes.items()},
+            "allow_deterministic": self.allow_deterministic,
+        }
+        accepted = ("deterministic",) if self.allow_deterministic else ()
+        failing = [m for m in debug_modes.MODES if m in self.modes and m not in accepted]
+        noted = [m for m in debug_modes.MODES if m in self.modes and m not in failing]
+        findings = [self._finding(m, self.modes[m], False) for m in failing]
+        findings += [self._finding(m, self.modes[m], True) for m in noted]
+        if failing:
+            summary = ", ".join(f"{_WHAT[m]} on in {self.modes[m].steps} steps" for m in failing)
+            return CheckResult(NAME, FAILED, summary, len(failing), findings, figures)
+        summary = f"no debug mode on in {plural(self.steps, 'training step')}"
+        if noted:
+            summary += "; deterministic algorithms on (noted)"
+        return CheckResult(NAME, PASSED, summary, 0, findings, figures)
+
+
+INVARIANT = Invariant(
+    name=NAME,
+    doc="no debugging switch left on in the training steps: anomaly detection, the autograd profiler, "
+    "CUDA_LAUNCH_BLOCKING (deterministic algorithms: a note)",
+    check=DebugModesCheck,
+    kind=Flag(),
+    default=True,
+    probes=("debug_modes",),
+    arguments=(
+        Argument(
+            "allow_deterministic",
+            Flag(),
+            True,
+            "no_debug_modes only notes torch.use_deterministic_algorithms(True) during the steps; False fails on it",
+            meaning="whether deterministic algorithms are accepted",
+        ),
+    ),
+)
