@@ -77,6 +77,9 @@ BUILTIN = (
     "max_memory_growth",
     "no_unused_parameters_search",
     "no_sync_accumulation",
+    "max_ops_per_step",
+    "max_collectives_per_step",
+    "no_constant_buffer_broadcast",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.
