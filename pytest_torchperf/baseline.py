@@ -299,7 +299,8 @@ class Match:
         moved = f", was line {entry.line}" if entry.line != obs.line and obs.file else ""
         if obs.counted:
             origin = f", {obs.label}" if obs.label else ""
-            change = f"{entry.figure()} -> {obs.figure()}"
+            before = _number(entry.per_step) if entry.per_step is not None else entry.figure()
+            change = f"{before} -> {obs.figure()}"
             word = status if status != "known" or not self.lower else "lower"
             tail = " (--torchperf-baseline-update lowers the baseline)" if word == "lower" else ""
             return f"{word}: {obs.invariant}: {obs.where}: {change}{origin}{tail}"

@@ -45,7 +45,7 @@ _LEFT_OUT = ("profiler::",)
 #: How many ops a report lists.
 SHOWN = 8
 #: One line issuing an op this often per step is a Python loop over tensors.
-LOOP_CALLS = 8
+LOOP_CALLS = 3
 #: Ops an optimizer's per-parameter (``foreach=False``) implementation runs, one call per parameter.
 _OPTIMIZER_OPS = frozenset((
     "aten::lerp_", "aten::addcdiv_", "aten::addcmul_", "aten::mul_", "aten::add_", "aten::sqrt", "aten::div",
@@ -165,11 +165,12 @@ class OpsCheck(StepWindows, Check):
             "ops": {f"{device}:{name}": per_step(item["count"], steps) for (name, device), item in sorted(ops.items())},
         })
         ranked = sorted(ops.items(), key=lambda kv: (-kv[1]["count"], kv[0]))
+        shown = self._shown(ranked, steps)
         over = f"over {plural(steps, 'counted step')}"
         if self.budget == BASELINE:
             entries = []
             for (name, device), item in sorted(ops.items()):
-                top = self._top_site(item)
+                top = self._top_site(name, item)
                 entries.append(counted_entry(
                     NAME, function=name, source=device, count=item["count"], per_step=per_step(item["count"], steps),
                     label=f"from {_where(site_of(top[1]))}" if top else "",
@@ -179,26 +180,36 @@ class OpsCheck(StepWindows, Check):
                 f"{_number(mean)} ATen ops per step ({len(ops)} distinct) {over}: the counts per op are "
                 "compared with the baseline file (--torchperf-baseline; write it with --torchperf-baseline-update)"
             )
-            findings = [self._finding(k, v, steps) for k, v in ranked[:SHOWN]]
-            return CheckResult(NAME, FAILED, summary, int(round(mean)), findings, figures)
+            return CheckResult(NAME, FAILED, summary, int(round(mean)), shown, figures)
         if worst <= self.budget:
             return CheckResult(
                 NAME, PASSED, f"at most {worst} ATen ops per step {over} (max_ops_per_step={self.budget})",
                 0, [], figures,
             )
-        findings = [self._finding(k, v, steps) for k, v in ranked[:SHOWN]]
         summary = (
             f"{worst} ATen ops in one step, max_ops_per_step={self.budget} ({_number(mean)} per step {over}; "
             f"most: {ranked[0][0][0]}, {_number(per_step(ranked[0][1]['count'], steps))} per step)"
         )
-        return CheckResult(NAME, FAILED, summary, worst - self.budget, findings, figures)
+        return CheckResult(NAME, FAILED, summary, worst - self.budget, shown, figures)
+
+    def _shown(self, ranked: list[tuple[tuple[str, str], dict[str, Any]]], steps: int) -> list[Finding]:
+        """The ops a report lists: those with a known fix first, then the most frequent."""
+        findings = [self._finding(k, v, steps) for k, v in ranked]
+        return ([f for f in findings if f.hint] + [f for f in findings if not f.hint])[:SHOWN]
 
     @staticmethod
-    def _top_site(item: dict[str, Any]) -> Optional[list[Any]]:
+    def _top_site(name: str, item: dict[str, Any]) -> Optional[list[Any]]:
+        """The site that issued most calls of the op (a tie: the line of your code that calls it by name)."""
         sites = item["sites"]
         if not sites:
             return None
-        return max(sites.values(), key=lambda s: s[0])
+        bare = name.split("::", 1)[-1]
+
+        def rank(site: list[Any]) -> tuple[int, bool]:
+            frame = site_of(site[1])
+            return site[0], bool(frame is not None and frame.is_user and _calls(bare, frame.source))
+
+        return max(sites.values(), key=rank)
 
     def _finding(self, key: tuple[str, str], item: dict[str, Any], steps: int) -> Finding:
         name, device = key

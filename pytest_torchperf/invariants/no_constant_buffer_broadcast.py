@@ -56,9 +56,13 @@ class ConstantBufferCheck(Check):
         self.context = Context()
         #: id(ddp) -> what its broadcasts showed (no reference to the module: a rank must free it).
         self.modules: dict[int, _Module] = {}
+        self.forwards = 0
 
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
         self.context.on_trainer_call(trainer, model)
+
+    def on_ddp_forward(self, ddp: Any) -> None:
+        self.forwards += 1
 
     def on_ddp_buffers(self, ddp: Any) -> None:
         seen = self.modules.get(id(ddp))
@@ -76,11 +80,14 @@ class ConstantBufferCheck(Check):
     def result(self) -> CheckResult:
         broadcasts = sum(m.broadcasts for m in self.modules.values())
         figures: dict[str, Any] = {"ddp_modules": len(self.modules), "buffer_broadcasts": broadcasts}
-        if not self.modules:
+        figures["ddp_forwards"] = self.forwards
+        if not self.modules and self.forwards:
             return CheckResult(
-                NAME, NOT_CHECKED,
-                "no DDP buffer broadcast in this process (no DDP forward, or broadcast_buffers=False)", 0, [], figures,
+                NAME, PASSED, f"DDP broadcast no buffers in {plural(self.forwards, 'forward')} "
+                "(broadcast_buffers=False, or no buffers)", 0, [], figures,
             )
+        if not self.modules:
+            return CheckResult(NAME, NOT_CHECKED, "no DistributedDataParallel forward pass in this process", 0, [], figures)
         findings = []
         constant_bytes = 0
         for module in self.modules.values():
