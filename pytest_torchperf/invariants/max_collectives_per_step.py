@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 NAME = "max_collectives_per_step"
 #: The label of DDP's own collectives (their site is the forward that armed them).
 DDP_GRADIENTS = "DDP gradient all-reduce"
-DDP_BUFFERS = "DDP buffer broadcast (broadcast_buffers=True)"
+DDP_BUFFERS = "DDP buffer broadcast before the forward"
 
 
 def _bytes(n: int) -> str:
@@ -198,8 +198,8 @@ def _hint(site: _Site, frame: Optional[Any]) -> str:
     if site.label == DDP_BUFFERS:
         return (
             "DDP broadcasts every buffer from rank 0 before each forward: if no buffer changes during training, "
-            "build DDP with broadcast_buffers=False (Lightning: strategy=DDPStrategy(broadcast_buffers=False)); "
-            "see no_constant_buffer_broadcast"
+            "build DDP with broadcast_buffers=False (forward_sync_buffers=False where torch deprecates it; Lightning: "
+            "strategy=DDPStrategy(...)); see no_constant_buffer_broadcast"
         )
     if site.label == DDP_GRADIENTS:
         return "one gradient all-reduce per backward is DDP's job; more per optimizer step: see no_sync_accumulation"

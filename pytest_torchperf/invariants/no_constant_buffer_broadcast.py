@@ -8,16 +8,19 @@ constant scale) is sent on every step for nothing: 8-10% of the forward in
 public reports for a large causal mask.
 
 Seen through the probe :mod:`pytest_torchperf.probes.collectives`: at each of
-DDP's buffer broadcasts, every buffer DDP syncs is compared with what it was
-at the first one: the same tensor, and the same version counter (torch bumps
-it on every in-place write; DDP's own broadcast keeps it). A buffer that
-stayed the same over at least two broadcasts is constant. Nothing is copied.
+DDP's buffer broadcasts, every buffer DDP syncs is compared with its value at
+the first one (a copy kept for the run), on its own device and without a host
+sync: the comparisons accumulate in a flag read once when the run ends (not
+every write bumps a tensor's version: BatchNorm's running statistics are
+updated inside its kernel). A buffer that is the same tensor with the same
+values over at least two broadcasts is constant.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
+from .. import core
 from ..arguments import Flag
 from ..core import Check
 from ..registry import Invariant
@@ -41,8 +44,10 @@ class _Module:
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
+        #: Where the DDP module was built (the ``ddp`` probe saw it), if it was built while a run watched.
+        self.created: Optional[Stack] = None
         self.broadcasts = 0
-        #: buffer name -> [id of the tensor, its version, bytes, changed]
+        #: buffer name -> [id of the tensor, its first value, bytes, changed (a bool tensor until the run ends)]
         self.buffers: dict[str, list[Any]] = {}
 
 
@@ -67,15 +72,31 @@ class ConstantBufferCheck(Check):
     def on_ddp_buffers(self, ddp: Any) -> None:
         seen = self.modules.get(id(ddp))
         if seen is None:
+            from ..probes.ddp import PROBE
+
             seen = self.modules[id(ddp)] = _Module(until_user_frame(capture(3)))
+            seen.created = PROBE.created.get(ddp)
         seen.broadcasts += 1
         named = getattr(ddp, "named_module_buffers", None) or {}
-        for name, buf in named.items():
-            state = seen.buffers.get(name)
-            if state is None:
-                seen.buffers[name] = [id(buf), buf._version, buf.numel() * buf.element_size(), False]
-            elif not state[3] and (state[0] != id(buf) or state[1] != buf._version):
-                state[3] = True
+        with core.suspended():  # torchperf's own ops: not the step's (max_ops_per_step), never a finding
+            for name, buf in named.items():
+                state = seen.buffers.get(name)
+                if state is None:
+                    seen.buffers[name] = [id(buf), buf.detach().clone(), buf.numel() * buf.element_size(), None]
+                elif state[3] is not True:
+                    if state[0] != id(buf) or state[1].shape != buf.shape or state[1].dtype != buf.dtype:
+                        state[3] = True
+                    else:  # on the buffer's device, no host sync: read once, at the end
+                        differs = (buf.detach() != state[1]).any()
+                        state[3] = differs if state[3] is None else state[3].logical_or_(differs)
+
+    def on_run_end(self) -> None:
+        with core.suspended():
+            for module in self.modules.values():
+                for state in module.buffers.values():
+                    flag = state[3]
+                    state[3] = bool(flag) if flag is not None else False
+                    state[1] = None  # the snapshot goes
 
     def result(self) -> CheckResult:
         broadcasts = sum(m.broadcasts for m in self.modules.values())
@@ -93,12 +114,12 @@ class ConstantBufferCheck(Check):
         for module in self.modules.values():
             if module.broadcasts < 2:
                 continue
-            constant = [(n, s[2]) for n, s in module.buffers.items() if not s[3]]
+            constant = [(n, s[2]) for n, s in module.buffers.items() if s[3] is False]
             if not constant:
                 continue
             nbytes = sum(b for _, b in constant)
             constant_bytes += nbytes * module.broadcasts
-            changing = [n for n, s in module.buffers.items() if s[3]]
+            changing = [n for n, s in module.buffers.items() if s[3] is True]
             names = ", ".join(f"{n} ({_bytes(b)})" for n, b in constant[:6]) + (" ..." if len(constant) > 6 else "")
             facts = [
                 f"broadcast from rank 0 before each of {plural(module.broadcasts, 'forward')}: {names}",
@@ -108,7 +129,8 @@ class ConstantBufferCheck(Check):
                 facts.append(f"buffers that did change (they need the broadcast): {', '.join(changing[:6])}")
             findings.append(Finding(
                 f"DDP broadcast {plural(len(constant), 'buffer')} that never changed",
-                facts, [Site("the DDP module whose forward broadcast them", module.stack, module.broadcasts)],
+                facts, ([Site("DDP built with its buffer broadcast on (the default)", module.created)] if module.created else [])
+                + [Site("its forward, which broadcast them", module.stack, module.broadcasts)],
                 self._hint(bool(changing)),
             ))
         figures["constant_bytes_broadcast"] = constant_bytes
@@ -126,9 +148,10 @@ class ConstantBufferCheck(Check):
         )
 
     def _hint(self, some_change: bool) -> str:
+        flag = _flag()
         where = (
-            "strategy=DDPStrategy(broadcast_buffers=False)" if self.context.lightning
-            else "DistributedDataParallel(model, broadcast_buffers=False)"
+            f"strategy=DDPStrategy({flag}=False)" if self.context.lightning
+            else f"DistributedDataParallel(model, {flag}=False)"
         )
         fix = f"build DDP with {where}"
         if some_change:
@@ -144,6 +167,19 @@ class ConstantBufferCheck(Check):
                 "(it then needs no broadcast)"
             )
         return fix
+
+
+def _flag() -> str:
+    """DDP's argument that turns the broadcast off (``forward_sync_buffers`` where torch deprecates the other)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        names = inspect.signature(DistributedDataParallel.__init__).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        names = {}
+    return "forward_sync_buffers" if "forward_sync_buffers" in names else "broadcast_buffers"
 
 
 INVARIANT = Invariant(

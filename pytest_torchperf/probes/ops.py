@@ -148,6 +148,8 @@ def _mode_class() -> type:
         return _MODE
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    flags = core.FLAGS
+
     class _CountingMode(TorchDispatchMode):
         """Counts each operator call of the step (see the module's docstring)."""
 
@@ -173,6 +175,8 @@ def _mode_class() -> type:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             probe = self.probe
+            if not flags.active:  # torchperf's own work inside a step (core.suspended())
+                return func(*args, **(kwargs or {}))
             counts = probe.counts
             counts[func] = counts.get(func, 0) + 1
             if probe.sample is not None:
