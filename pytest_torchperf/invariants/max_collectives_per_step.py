@@ -28,10 +28,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..core import Check
-from ..frames import StackCache, locate
+from ..frames import StackCache, kind_of, locate
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
-from ..stacks import Stack, capture, site_of, until_user_frame
+from ..stacks import USER, Stack, capture, site_of, until_user_frame
 from ..text import plural
 from ._counts import BASELINE, BASELINE_FIGURE, CountOrBaseline, StepWindows, counted_entry, per_step
 from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, frequency
@@ -89,7 +89,10 @@ class CollectivesCheck(StepWindows, Check):
 
     def on_collective(self, kind: str, nbytes: int, frame: Any) -> None:
         located = locate(frame)
-        self._record(kind, kind, nbytes, (kind, located.key), lambda: self._stacks.get(located.key, located.frame))
+        # A framework line reducing for several callers (Lightning's _sync_ddp) is one site per line of yours.
+        user = _innermost_user(located.frame) if located.kind != USER else None
+        key = (kind, located.key, (user.f_code, user.f_lineno) if user is not None else None)
+        self._record(kind, kind, nbytes, key, lambda: self._stacks.get(key, located.frame))
 
     def on_ddp_forward(self, module: Any) -> None:
         key = id(getattr(module, "reducer", None))
@@ -192,6 +195,16 @@ class CollectivesCheck(StepWindows, Check):
         title = f"{prefix}{site.label}: {frequency(site.calls.per_unit, site.calls.outside, steps)}, by {whose}"
         facts = [f"{_bytes(site.bytes)} in all ({site.kind})"]
         return Finding(title, facts, [Site(site.label, site.stack, site.calls.count)], _hint(site, frame))
+
+
+def _innermost_user(frame: Any) -> Any:
+    """The innermost frame of your code from ``frame`` outwards (None: none)."""
+    f = frame
+    while f is not None:
+        if kind_of(f.f_code) == USER:
+            return f
+        f = f.f_back
+    return None
 
 
 def _hint(site: _Site, frame: Optional[Any]) -> str:
