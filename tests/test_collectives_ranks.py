@@ -195,7 +195,7 @@ def test_every_rank_checks_buffers_fsdp2_and_sync_dist(pytester: pytest.Pytester
 
     logged = check("test_sync_dist[on_step]", "max_collectives_per_step")
     log_line = line_of(pytester.path / "collective_ranks.py", "# LOG")
-    (user,) = [f for f in logged["findings"] if "all_reduce" in f["title"] and "DDP" not in f["title"]]
+    (user,) = [f for f in logged["findings"] if f["title"].startswith("rank 0, 1: all_reduce: ")]
     assert user["title"].startswith("rank 0, 1: all_reduce: ") and user["title"].endswith(", by your code")
     assert user["sites"][0]["site"] == f"collective_ranks.py:{log_line}"
     assert "on_step=False, on_epoch=True" in user["hint"]
