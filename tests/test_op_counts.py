@@ -137,6 +137,13 @@ def test_shrunk_counts_are_reported_lower_and_grown_ones_higher(tmp_path: Path) 
     assert {e.function for e in fused.stale} >= {"aten::lerp_", "aten::addcdiv_"}
 
 
+def test_count_steps_counts_the_first_steps_after_the_warm_up_only() -> None:
+    every = train(steps=8, max_ops_per_step=10_000)["max_ops_per_step"]
+    first = train(steps=8, max_ops_per_step=10_000, count_steps=2)["max_ops_per_step"]
+    assert every.figures["counted_steps"] == 6 and first.figures["counted_steps"] == 2
+    assert first.figures["ops"] == every.figures["ops"]  # the same per-step counts
+
+
 def test_a_run_of_warm_up_steps_only_is_not_checked() -> None:
     check = train(steps=2, max_ops_per_step=10)["max_ops_per_step"]
     assert check.status == NOT_CHECKED

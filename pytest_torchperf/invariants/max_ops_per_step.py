@@ -70,10 +70,11 @@ class OpsCheck(StepWindows, Check):
         Check.__init__(self, run)
         StepWindows.__init__(self, run, run.options.count_warmup_steps)
         self.budget = run.options.max_ops_per_step
+        self.limit = run.options.count_steps
         from ..probes.ops import PROBE
 
         self.probe = PROBE
-        #: func -> calls over the counted steps; total calls of each counted step.
+        #: id(op) -> calls over the counted steps; total calls of each counted step.
         self.totals: dict[Any, int] = {}
         self.step_totals: list[int] = []
         self.sample: Any = None
@@ -81,11 +82,11 @@ class OpsCheck(StepWindows, Check):
         self._skipped: dict[Any, bool] = {}
 
     def window_opened(self, counted: bool) -> None:
-        if counted:
+        if counted and (self.limit is None or len(self.step_totals) < self.limit):
             self.probe.begin(self, sample=self.sample is None)
 
     def window_closed(self, counted: bool) -> None:
-        if not counted:
+        if not counted or self not in self.probe.open:
             return
         counts, sample = self.probe.end(self)
         if sample is not None and self.sample is None:
@@ -96,9 +97,9 @@ class OpsCheck(StepWindows, Check):
             totals[func] = totals.get(func, 0) + n
             skip = skipped.get(func)
             if skip is None:
-                from ..probes.ops import op_name
+                from ..probes.ops import op_name, op_of
 
-                skip = skipped[func] = op_name(func).startswith(_LEFT_OUT)
+                skip = skipped[func] = op_name(op_of(func)).startswith(_LEFT_OUT)
             if not skip:
                 step += n
         self.step_totals.append(step)
@@ -109,14 +110,14 @@ class OpsCheck(StepWindows, Check):
     # -- the verdict ------------------------------------------------------------------------------
     def _by_name(self) -> dict[tuple[str, str], dict[str, Any]]:
         """(op name, device type) -> its calls, and the sample step's sites of it."""
-        from ..probes.ops import op_name
+        from ..probes.ops import op_name, op_of
 
         devices = self.sample.devices if self.sample is not None else {}
         fallback = next((d for d in devices.values() if d), "cpu")
         out: dict[tuple[str, str], dict[str, Any]] = {}
         names: dict[Any, tuple[str, str]] = {}
         for func, n in self.totals.items():
-            name = op_name(func)
+            name = op_name(op_of(func))
             if name.startswith(_LEFT_OUT):
                 continue
             key = (name, devices.get(func) or fallback)
@@ -144,6 +145,7 @@ class OpsCheck(StepWindows, Check):
             "count_warmup_steps": self.warmup,
             "steps_seen": self.windows,
             "counted_steps": steps,
+            "count_steps": self.limit,
         }
         if self.probe.unavailable:
             return CheckResult(NAME, NOT_CHECKED, "; ".join(self.probe.unavailable.values()), 0, [], figures)
@@ -271,6 +273,12 @@ INVARIANT = Invariant(
     probes=("ops",),
     meaning="ATen ops a training step may run",
     arguments=(
+        Argument(
+            "count_steps",
+            Integer(minimum=1),
+            None,
+            "count the ops of this many steps after the warm-up, then stop paying for it (None: every step)",
+        ),
         Argument(
             "count_warmup_steps",
             Integer(minimum=0, optional=False),
