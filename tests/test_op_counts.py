@@ -243,3 +243,24 @@ def test_five_runs_and_an_xdist_run_give_the_baseline_s_counts(pytester: pytest.
     result = pytester.runpytest_subprocess("--torchperf-baseline=perf.json", "-n", "2", "-v")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*torchperf baseline *perf.json: * known findings, 0 new or higher, 0 stale*"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts kernel launches of a CUDA step")
+def test_a_cuda_run_counts_the_kernel_launches_of_a_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).cuda()
+    results = {}
+    for foreach in (False, True):
+        opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+        with watch(**OFF, max_ops_per_step="baseline") as run:
+            for _ in range(5):
+                with run.step():
+                    model(torch.randn(4, 8, device="cuda")).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+        check = run.report["max_ops_per_step"]
+        assert "cuda:aten::addmm" in check.figures["ops"]
+        results[foreach] = check.figures["kernel_launches_per_step"]
+        entries = {(e["function"], e["source"]) for e in check.figures["baseline_counts"]}
+        assert ("kernel launches", "cuda") in entries
+    assert results[False] > results[True] > 0  # one launch per parameter and op, against one per op

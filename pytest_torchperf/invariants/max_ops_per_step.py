@@ -78,19 +78,32 @@ class OpsCheck(StepWindows, Check):
         self.totals: dict[Any, int] = {}
         self.step_totals: list[int] = []
         self.sample: Any = None
+        #: On a CUDA run: the kernel launches of one counted step (see probes._kernels).
+        self.kernels: Any = None
+        self._kernel_step = False
         #: func -> whether it is left out of the counts (profiler bookkeeping).
         self._skipped: dict[Any, bool] = {}
 
     def window_opened(self, counted: bool) -> None:
         if counted and (self.limit is None or len(self.step_totals) < self.limit):
             self.probe.begin(self, sample=self.sample is None)
+            if self.kernels is not None and self.kernels.launches is None and not self.kernels.why_not:
+                self._kernel_step = True
+                self.kernels.start()
 
     def window_closed(self, counted: bool) -> None:
         if not counted or self not in self.probe.open:
             return
+        if self._kernel_step:
+            self._kernel_step = False
+            self.kernels.stop()  # type: ignore[union-attr]
         counts, sample = self.probe.end(self)
         if sample is not None and self.sample is None:
             self.sample = sample
+            if "cuda" in sample.devices.values():  # the next counted step counts its kernel launches too
+                from ..probes._kernels import KernelStep
+
+                self.kernels = KernelStep()
         totals, skipped = self.totals, self._skipped
         step = 0
         for func, n in counts.items():
@@ -166,6 +179,11 @@ class OpsCheck(StepWindows, Check):
             "distinct_ops": len(ops),
             "ops": {f"{device}:{name}": per_step(item["count"], steps) for (name, device), item in sorted(ops.items())},
         })
+        kernels = self.kernels
+        if kernels is not None:
+            figures["kernel_launches_per_step"] = kernels.launches
+            if kernels.launches is None:
+                figures["kernel_launches_missing"] = kernels.why_not or "no counted step after the sample step"
         ranked = sorted(ops.items(), key=lambda kv: (-kv[1]["count"], kv[0]))
         shown = self._shown(ranked, steps)
         over = f"over {plural(steps, 'counted step')}"
@@ -176,6 +194,11 @@ class OpsCheck(StepWindows, Check):
                 entries.append(counted_entry(
                     NAME, function=name, source=device, count=item["count"], per_step=per_step(item["count"], steps),
                     label=f"from {_where(site_of(top[1]))}" if top else "",
+                ))
+            if kernels is not None and kernels.launches is not None:
+                entries.append(counted_entry(
+                    NAME, function="kernel launches", source="cuda", count=kernels.launches,
+                    per_step=float(kernels.launches), label="one profiled step",
                 ))
             figures[BASELINE_FIGURE] = entries
             summary = (
