@@ -25,13 +25,14 @@ or more calls per step fail.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..core import Check
 from ..frames import StackCache, kind_of, locate
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
-from ..stacks import USER, Stack, capture, site_of, until_user_frame
+from ..stacks import USER, Stack, site_of, until_user_frame
 from ..text import plural
 from ._counts import BASELINE, BASELINE_FIGURE, CountOrBaseline, StepWindows, counted_entry, per_step
 from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, frequency
@@ -87,12 +88,18 @@ class CollectivesCheck(StepWindows, Check):
         site.calls.add(self.step)
         site.bytes += nbytes
 
-    def on_collective(self, kind: str, nbytes: int, frame: Any) -> None:
+    def _site_key(self, what: str, frame: Any) -> tuple[Any, Any]:
+        """``(key, stack factory)`` of the event whose innermost frame is ``frame``: cheap (a few ``f_back``
+        hops); the stack is captured the first time a site is seen. A framework line acting for several
+        callers (Lightning's ``_sync_ddp``) is one site per line of yours."""
         located = locate(frame)
-        # A framework line reducing for several callers (Lightning's _sync_ddp) is one site per line of yours.
         user = _innermost_user(located.frame) if located.kind != USER else None
-        key = (kind, located.key, (user.f_code, user.f_lineno) if user is not None else None)
-        self._record(kind, kind, nbytes, key, lambda: self._stacks.get(key, located.frame))
+        key = (what, located.key, (user.f_code, user.f_lineno) if user is not None else None)
+        return key, lambda: self._stacks.get(key, located.frame)
+
+    def on_collective(self, kind: str, nbytes: int, frame: Any) -> None:
+        key, stack = self._site_key(kind, frame)
+        self._record(kind, kind, nbytes, key, stack)
 
     def on_ddp_forward(self, module: Any) -> None:
         key = id(getattr(module, "reducer", None))
@@ -102,17 +109,13 @@ class CollectivesCheck(StepWindows, Check):
             )
 
     def on_ddp_armed(self, reducer: Any) -> None:
-        stack = capture(3)
-        frame = site_of(until_user_frame(stack))
-        key = ("ddp-grads", (frame.filename, frame.lineno) if frame else None)
-        self._record("all_reduce", DDP_GRADIENTS, self._grad_bytes.get(id(reducer), 0), key, lambda: stack)
+        key, stack = self._site_key("ddp-grads", sys._getframe(1))
+        self._record("all_reduce", DDP_GRADIENTS, self._grad_bytes.get(id(reducer), 0), key, stack)
 
     def on_ddp_buffers(self, ddp: Any) -> None:
-        stack = capture(3)
-        frame = site_of(until_user_frame(stack))
+        key, stack = self._site_key("ddp-buffers", sys._getframe(1))
         nbytes = sum(b.numel() * b.element_size() for b in getattr(ddp, "modules_buffers", ()) or ())
-        key = ("ddp-buffers", (frame.filename, frame.lineno) if frame else None)
-        self._record("broadcast", DDP_BUFFERS, nbytes, key, lambda: stack)
+        self._record("broadcast", DDP_BUFFERS, nbytes, key, stack)
 
     def on_run_end(self) -> None:
         StepWindows.on_run_end(self)
