@@ -255,7 +255,8 @@ def main() -> int:
         if args.ops:
             lo, mid, hi = ratios["O/A"]  # type: ignore[index]
             extra = (us["O"] - us["B"])  # type: ignore[index]
-            print(f"{'':<15} O (max_ops_per_step) {us['O']:.1f} us, O/A {mid:.3f} [{lo:.3f}-{hi:.3f}], "  # type: ignore[index]
+            o_us = us["O"]  # type: ignore[index]
+            print(f"{'':<15} O (max_ops_per_step) {o_us:.1f} us, O/A {mid:.3f} [{lo:.3f}-{hi:.3f}], "
                   f"+{extra:.1f} us per step over B")
     return 0 if args.smoke else status
 

@@ -188,7 +188,9 @@ def test_every_rank_checks_buffers_fsdp2_and_sync_dist(pytester: pytest.Pytester
     assert check("test_ddp_buffers[off]", "no_constant_buffer_broadcast")["status"] == "passed"
 
     every = check("test_fsdp[every]", "no_sync_accumulation")
-    assert every["summary"] == "rank 0, 1: 12 reduce-scatter rounds for 3 optimizer steps, up to 4 per step: 9 not needed"
+    assert every["summary"] == (
+        "rank 0, 1: 12 reduce-scatter rounds for 3 optimizer steps, up to 4 per step: 9 not needed"
+    )
     backward = line_of(pytester.path / "collective_ranks.py", "# BACKWARD")
     assert every["findings"][0]["sites"][0]["site"] == f"collective_ranks.py:{backward}"
     assert check("test_fsdp[quiet]", "no_sync_accumulation")["status"] == "passed"

@@ -174,7 +174,8 @@ class CollectivesCheck(StepWindows, Check):
                 ))
             figures[BASELINE_FIGURE] = entries
             if not entries:
-                return CheckResult(NAME, PASSED, f"no collective in every step over {plural(steps, 'counted step')}", 0, findings, figures)
+                summary = f"no collective in every step over {plural(steps, 'counted step')}"
+                return CheckResult(NAME, PASSED, summary, 0, findings, figures)
             summary = (
                 f"{figures['collectives_per_step']:g} collectives per step at {plural(len(entries), 'site')}: compared "
                 "with the baseline file (--torchperf-baseline)"
@@ -183,7 +184,8 @@ class CollectivesCheck(StepWindows, Check):
         over = f"over {plural(steps, 'counted step')}"
         if worst <= self.budget:
             summary = f"at most {worst} collectives per step {over} (max_collectives_per_step={self.budget})"
-            return CheckResult(NAME, PASSED, summary, 0, findings if worst else [f for f in findings if f.title.startswith("note: ")], figures)
+            kept = findings if worst else [f for f in findings if f.title.startswith("note: ")]
+            return CheckResult(NAME, PASSED, summary, 0, kept, figures)
         summary = (
             f"{worst} collectives in one step, max_collectives_per_step={self.budget} ({plural(len(failing), 'site')}; "
             f"{_bytes(int(figures['bytes_per_step']))} per step)"

@@ -108,7 +108,8 @@ class ConstantBufferCheck(Check):
                 "(broadcast_buffers=False, or no buffers)", 0, [], figures,
             )
         if not self.modules:
-            return CheckResult(NAME, NOT_CHECKED, "no DistributedDataParallel forward pass in this process", 0, [], figures)
+            why = "no DistributedDataParallel forward pass in this process"
+            return CheckResult(NAME, NOT_CHECKED, why, 0, [], figures)
         findings = []
         constant_bytes = 0
         for module in self.modules.values():
@@ -129,8 +130,7 @@ class ConstantBufferCheck(Check):
                 facts.append(f"buffers that did change (they need the broadcast): {', '.join(changing[:6])}")
             findings.append(Finding(
                 f"DDP broadcast {plural(len(constant), 'buffer')} that never changed",
-                facts, ([Site("DDP built with its buffer broadcast on (the default)", module.created)] if module.created else [])
-                + [Site("its forward, which broadcast them", module.stack, module.broadcasts)],
+                facts, self._sites(module),
                 self._hint(bool(changing)),
             ))
         figures["constant_bytes_broadcast"] = constant_bytes
@@ -146,6 +146,11 @@ class ConstantBufferCheck(Check):
             NAME, FAILED, f"DDP broadcast constant buffers before every forward: {_bytes(constant_bytes)} for nothing",
             count, findings, figures,
         )
+
+    @staticmethod
+    def _sites(module: _Module) -> list[Site]:
+        built = [Site("DDP built with its buffer broadcast on (the default)", module.created)] if module.created else []
+        return built + [Site("its forward, which broadcast them", module.stack, module.broadcasts)]
 
     def _hint(self, some_change: bool) -> str:
         flag = _flag()

@@ -172,7 +172,10 @@ class SyncAccumulationCheck(Check):
 
     def _fsdp_hint(self) -> str:
         if self.context.lightning:
-            return "let Lightning accumulate: Trainer(accumulate_grad_batches=N) defers the reduce-scatter to the last micro-batch"
+            return (
+                "let Lightning accumulate: Trainer(accumulate_grad_batches=N) defers the reduce-scatter to the "
+                "last micro-batch"
+            )
         return (
             "call model.set_requires_gradient_sync(False) before every micro-batch but the last, and "
             "set_requires_gradient_sync(True) before the last: FSDP2 then reduce-scatters once per optimizer step"

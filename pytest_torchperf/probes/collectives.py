@@ -140,7 +140,8 @@ class CollectivesProbe(Probe):
 
     def _patch_fsdp(self, patcher: "Patcher", module: Any) -> None:
         group = getattr(module, "FSDPParamGroup", None)
-        if group is None or not callable(vars(group).get("post_backward")) or not callable(vars(group).get("pre_forward")):
+        methods = vars(group) if group is not None else {}
+        if not callable(methods.get("post_backward")) or not callable(methods.get("pre_forward")):
             self.unavailable["fsdp"] = "this torch's FSDP2 parameter groups cannot be observed"
             return
         flags = FLAGS
