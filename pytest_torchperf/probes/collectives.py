@@ -96,7 +96,8 @@ class CollectivesProbe(Probe):
                 @functools.wraps(original)
                 def collective(*args: Any, **kwargs: Any) -> Any:
                     __tracebackhide__ = True
-                    if not flags.active or getattr(local, "depth", 0) or probe.disabled or is_compiling():
+                    # is_compiling() first: dynamo folds it, and its graph then guards on nothing of ours.
+                    if is_compiling() or not flags.active or getattr(local, "depth", 0) or probe.disabled:
                         return original(*args, **kwargs)
                     try:
                         data = args[position] if 0 <= position < len(args) else None
@@ -122,7 +123,7 @@ class CollectivesProbe(Probe):
             @functools.wraps(original)
             def _sync_buffers(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
-                if flags.active and not is_compiling():
+                if not is_compiling() and flags.active:
                     notify("on_ddp_buffers", self)
                 local.depth = 1  # its own all_reduce (join mode) is the broadcast's
                 try:
@@ -146,12 +147,13 @@ class CollectivesProbe(Probe):
             return
         flags = FLAGS
         notify = core.notify
+        is_compiling = is_compiling_function()
 
         def wrap_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(original)
             def pre_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
-                if flags.active:
+                if not is_compiling() and flags.active:
                     notify("on_fsdp_forward", self)
                 return original(self, *args, **kwargs)
 
@@ -161,7 +163,7 @@ class CollectivesProbe(Probe):
             @functools.wraps(original)
             def post_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
-                if flags.active:
+                if not is_compiling() and flags.active:
                     notify("on_fsdp_reduce", self, bool(getattr(self, "reduce_grads", True)))
                 return original(self, *args, **kwargs)
 
