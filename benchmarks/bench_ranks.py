@@ -9,7 +9,11 @@ every step marked with ``pytest_torchperf.step()``:
   runs under the launching run's options (its probes, its checks) and reports
   back;
 - ``D``  ``B`` plus the two DDP invariants (``no_unused_parameters_search``,
-  ``no_sync_accumulation``: the probe of DDP's forward and of its reducer).
+  ``no_sync_accumulation``: the probe of DDP's forward and of its reducer);
+- ``K``  (with ``--collectives``) ``B`` plus ``max_collectives_per_step`` and
+  ``no_constant_buffer_broadcast``: the collectives probe (``torch.distributed``'s
+  collectives, DDP's buffer broadcast) and its checks, with a user
+  ``all_reduce`` of the loss every step in every variant.
 
 Inside each rank every step is timed alone and the rank's figure is its median
 step after a warm-up; a launch's figure is the slower rank's. Rounds run every
@@ -25,7 +29,9 @@ differences of tens of microseconds; ``--local`` times the same step in this
 process, DDP over a gloo group of one rank, in interleaved blocks, to measure
 the per-step cost of the watch itself.
 
-    python benchmarks/bench_ranks.py [--rounds 5] [--steps 300] [--local]
+    python benchmarks/bench_ranks.py [--rounds 5] [--steps 300] [--local] [--collectives] [--smoke]
+
+``--smoke``: ``--local`` with 1 round of 30 steps (a CI check that it runs).
 """
 
 from __future__ import annotations
@@ -41,6 +47,16 @@ import time
 # One thread per rank, set before torch starts (changing it at run time in a rank makes some of them abort
 # at exit, "terminate called without an active exception", with or without torchperf).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+#: The options of each watched variant.
+EXTRA = {
+    "B": {},
+    "D": {"no_unused_parameters_search": True, "no_sync_accumulation": True},
+    "K": {"max_collectives_per_step": 10**6, "no_constant_buffer_broadcast": True},
+}
+#: Set by ``--collectives``: every variant all-reduces its loss every step (so the probe sees one call per step).
+ALL_REDUCE = os.environ.get("BENCH_RANKS_ALL_REDUCE") == "1"
 
 
 def train(rank: int, store: str, steps: int, out: str) -> None:
@@ -63,6 +79,8 @@ def train(rank: int, store: str, steps: int, out: str) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
+            if ALL_REDUCE:
+                dist.all_reduce(loss.detach())
         if i >= 30:
             times.append(time.perf_counter() - start)
     with open(f"{out}.{rank}", "w") as fh:
@@ -86,8 +104,7 @@ def launch(variant: str, steps: int) -> tuple[float, float]:
         if variant == "A":
             mp.spawn(train, args=args, nprocs=2)
         else:
-            extra = {"no_unused_parameters_search": True, "no_sync_accumulation": True} if variant == "D" else {}
-            with watch(**extra) as run:
+            with watch(**EXTRA[variant]) as run:
                 mp.spawn(train, args=args, nprocs=2)
             assert run.report is not None and run.report.passed, run.report.render()  # type: ignore[union-attr]
     except mp.ProcessExitedException as exc:
@@ -107,7 +124,7 @@ def launch(variant: str, steps: int) -> tuple[float, float]:
     return max(medians), wall
 
 
-def local(rounds: int, steps: int) -> None:
+def local(rounds: int, steps: int, variants: list[str]) -> None:
     """The same step in this process, DDP over a gloo group of one rank: the per-step cost without the
     other rank's noise (``--local``). Blocks of ``steps`` steps, interleaved, each block's median step."""
     import torch
@@ -126,9 +143,8 @@ def local(rounds: int, steps: int) -> None:
     def block(variant: str) -> float:
         model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        extra = {"no_unused_parameters_search": True, "no_sync_accumulation": True} if variant == "D" else {}
         times = []
-        with (watch(**extra) if variant != "A" else _nothing()):
+        with (watch(**EXTRA[variant]) if variant != "A" else _nothing()):
             for i in range(steps + 10):
                 start = time.perf_counter()
                 with pytest_torchperf.step():
@@ -136,14 +152,16 @@ def local(rounds: int, steps: int) -> None:
                     loss.backward()
                     opt.step()
                     opt.zero_grad()
+                    if ALL_REDUCE:
+                        dist.all_reduce(loss.detach())
                 if i >= 10:
                     times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    variants = ["A", "B", "D"]
     per_step: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(rounds + 1):
-        for variant in variants[r % 3:] + variants[: r % 3]:
+        shift = r % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
             value = block(variant)
             if r:
                 per_step[variant].append(value)
@@ -153,7 +171,7 @@ def local(rounds: int, steps: int) -> None:
     os.rmdir(work)
     a = per_step["A"]
     print(f"A: median step {statistics.median(a) * 1e6:.1f} us (in-process, one rank)")
-    for variant in ("B", "D"):
+    for variant in variants[1:]:
         diffs = [(x - y) * 1e6 for x, y in zip(per_step[variant], a)]
         lo, mid, hi = quartiles([x / y for x, y in zip(per_step[variant], a)])
         print(f"{variant}: median step {statistics.median(per_step[variant]) * 1e6:.1f} us, "
@@ -178,19 +196,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--local", action="store_true", help="time the step in this process (one rank) instead")
-    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; no budget verdict)")
+    parser.add_argument("--collectives", action="store_true", help="also time the collectives checks (K)")
+    parser.add_argument("--smoke", action="store_true", help="--local, 1 round of 30 steps")
     args = parser.parse_args()
+    variants = ["A", "B", "D"] + (["K"] if args.collectives else [])
+    if args.collectives:
+        os.environ["BENCH_RANKS_ALL_REDUCE"] = "1"  # for the ranks, which import this module again
+        global ALL_REDUCE
+        ALL_REDUCE = True
     if args.smoke:
-        args.rounds, args.steps = 2, 20
+        args.local, args.rounds, args.steps = True, 1, 30
     if args.local:
-        local(args.rounds, args.steps)
+        local(args.rounds, args.steps, variants)
         return
-    variants = ["A", "B", "D"]
     per_step: dict[str, list[float]] = {v: [] for v in variants}
     walls: dict[str, list[float]] = {v: [] for v in variants}
     last: dict[str, float] = {}
     for r in range(args.rounds + 1):
-        order = variants[r % 3:] + variants[: r % 3]
+        shift = r % len(variants)
+        order = variants[shift:] + variants[:shift]
         for variant in order:
             step, wall = launch(variant, args.steps)
             if r:

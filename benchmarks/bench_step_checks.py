@@ -15,7 +15,9 @@ Variants, timed in one process over the same model and data:
 - ``B``  the same with the default ``watch()``: every default invariant
   (the budget line: what a user pays for the defaults together);
 - ``C``  default ``watch()`` without ``run.step()``: the probes installed, no
-  step in scope (what code outside the steps pays).
+  step in scope (what code outside the steps pays);
+- ``O``  (with ``--ops``) ``B`` plus ``max_ops_per_step`` (opt-in): every ATen op of
+  every step counted by a dispatch mode (the warm-up steps excluded, as in a test).
 
 Each step is timed alone and a block's time is its median step (a step
 preempted by another process is an outlier the median ignores). Each round
@@ -39,7 +41,9 @@ Workloads:
 
 Every step moves its batch with ``.to(device)``, as a real loop does.
 
-    python benchmarks/bench_step_checks.py [--rounds 21] [--reps 3] [--workload all]
+    python benchmarks/bench_step_checks.py [--rounds 21] [--reps 3] [--workload all] [--ops] [--smoke]
+
+``--smoke``: 2 rounds of 1 block of the op-bound SGD workload (a CI check that it runs; no verdict).
 
 Exit status 1 when a median S/A ratio is over its budget.
 """
@@ -164,7 +168,7 @@ def interleaved(
     return times
 
 
-def measure(kind: str, rounds: int, reps: int) -> dict[str, object]:
+def measure(kind: str, rounds: int, reps: int, ops: bool = False) -> dict[str, object]:
     from pytest_torchperf import watch
 
     def variants(block: Any, plain_steps: Any, watched_steps: Any) -> dict[str, Callable[[], float]]:
@@ -186,12 +190,21 @@ def measure(kind: str, rounds: int, reps: int) -> dict[str, object]:
             ) as run:
                 return block(watched_steps(run))
 
-        return {"A": plain, "A'": plain, "S": step_checks_only, "B": watched, "C": installed}
+        def counted() -> float:
+            # count_warmup_steps=0: the block's untimed warm-up steps already are its warm-up.
+            with watch(max_ops_per_step=10**9, count_warmup_steps=0) as run:
+                return block(watched_steps(run))
+
+        out = {"A": plain, "A'": plain, "S": step_checks_only, "B": watched, "C": installed}
+        if ops:
+            out["O"] = counted
+        return out
 
     step, n = build(kind)
     times = interleaved(step, n, rounds, reps, variants)
     ratios = {
-        f"{name}/A": [b / a for b, a in zip(times[name], times["A"])] for name in ("S", "B", "C", "A'")
+        f"{name}/A": [b / a for b, a in zip(times[name], times["A"])]
+        for name in ("S", "B", "C", "A'") + (("O",) if ops else ())
     }
     return {
         "median_us": {name: statistics.median(v) * 1e6 for name, v in times.items()},
@@ -204,7 +217,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=21, help="timed rounds (after one warm-up round)")
     parser.add_argument("--reps", type=int, default=5, help="blocks per variant per round (their median is kept)")
     parser.add_argument("--workload", choices=("all", *BUDGETS), default="all")
-    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; no budget verdict)")
+    parser.add_argument("--ops", action="store_true", help="also time max_ops_per_step (opt-in op counting): O")
+    parser.add_argument("--smoke", action="store_true", help="a tiny run (2 rounds, 1 block, op-bound-sgd)")
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.reps, args.workload = 2, 1, "op-bound-sgd"
@@ -224,7 +238,7 @@ def main() -> int:
     status = 0
     AA = "A'/A"
     for kind in workloads:
-        result = measure(kind, args.rounds, args.reps)
+        result = measure(kind, args.rounds, args.reps, args.ops)
         us = result["median_us"]
         ratios = result["ratios"]
 
@@ -240,6 +254,12 @@ def main() -> int:
             f"{fmt('S/A'):>22} {fmt('B/A'):>22} {fmt('C/A'):>22} {fmt(AA):>22} "
             f"{'S <=' + str(budget):>8} {'ok' if ok else 'OVER'}"
         )
+        if args.ops:
+            lo, mid, hi = ratios["O/A"]  # type: ignore[index]
+            extra = (us["O"] - us["B"])  # type: ignore[index]
+            o_us = us["O"]  # type: ignore[index]
+            print(f"{'':<15} O (max_ops_per_step) {o_us:.1f} us, O/A {mid:.3f} [{lo:.3f}-{hi:.3f}], "
+                  f"+{extra:.1f} us per step over B")
     return 0 if args.smoke else status
 
 

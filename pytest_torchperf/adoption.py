@@ -306,8 +306,8 @@ class _Adoption:
         tr.write_line(head)
         for nodeid, match in failing:
             tr.write_line(f"  {nodeid}: {match.describe()}", red=not self.settings.baseline_update)
-        if verbose:
-            for nodeid, match in known:
+        for nodeid, match in known:
+            if verbose or match.lower:  # a count that shrank: the update lowers it
                 tr.write_line(f"  {nodeid}: {match.describe()}")
         for stale in self.stale:
             tr.write_line(f"  {stale.describe()}", yellow=True)

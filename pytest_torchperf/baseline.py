@@ -76,6 +76,11 @@ RATE_FIGURES = {
     "grads_set_to_none": "optimizer_steps",
 }
 
+#: A check's figure holding entries it counted itself (``max_ops_per_step``, ``max_collectives_per_step`` with
+#: ``"baseline"``): one per op and device, or per collective and site, each with its count per step. Those
+#: entries are the check's observations, whatever its findings say.
+COUNTED_FIGURE = "baseline_counts"
+
 #: Findings with these title prefixes are notes on a failed check, not what failed it.
 _NOT_FAILING = ("note: ", "allowed: ")
 #: Two rates closer than this are equal (they are ratios of small integers).
@@ -122,7 +127,14 @@ class Observation:
         return (self.invariant, self.file, self.function, normalise_source(self.source))
 
     @property
+    def counted(self) -> bool:
+        """A counted thing with no site of its own (an op on a device): keyed by ``function`` and ``source``."""
+        return not self.file and bool(self.function)
+
+    @property
     def where(self) -> str:
+        if self.counted:
+            return f"{self.function} on {self.source}"
         if not self.file:
             return "(no site)"
         return f"{self.file}:{self.line} in {self.function}"
@@ -133,6 +145,9 @@ class Observation:
         return f"{self.count}x"
 
     def describe(self) -> str:
+        if self.counted:
+            origin = f", {self.label}" if self.label else ""
+            return f"{self.invariant}: {self.where}: {self.figure()}{origin}"
         what = self.label or self.title or self.invariant
         return f"{self.invariant}: {what} at {self.where}, {self.figure()}"
 
@@ -201,6 +216,10 @@ def observe(report: Report) -> list[Observation]:
     observations: list[Observation] = []
     for name, check in report.checks.items():
         if check.status != FAILED:
+            continue
+        counted = check.figures.get(COUNTED_FIGURE)
+        if isinstance(counted, list):
+            observations.extend(Observation.from_dict(entry) for entry in counted if isinstance(entry, dict))
             continue
         steps = check.figures.get(RATE_FIGURES.get(name, ""), None)
         steps = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
@@ -272,12 +291,30 @@ class Match:
         obs, entry = self.observation, self.entry
         status = self.status
         if status == "new":
+            if obs.counted:
+                origin = f", {obs.label}" if obs.label else ""
+                return f"new: {obs.invariant}: {obs.where}: 0 -> {obs.figure()}{origin} (not in the baseline)"
             return f"new: {obs.describe()} (not in the baseline)"
         assert entry is not None
         moved = f", was line {entry.line}" if entry.line != obs.line and obs.file else ""
+        if obs.counted:
+            origin = f", {obs.label}" if obs.label else ""
+            before = _number(entry.per_step) if entry.per_step is not None else entry.figure()
+            change = f"{before} -> {obs.figure()}"
+            word = status if status != "known" or not self.lower else "lower"
+            tail = " (--torchperf-baseline-update lowers the baseline)" if word == "lower" else ""
+            return f"{word}: {obs.invariant}: {obs.where}: {change}{origin}{tail}"
         if status == "higher":
             return f"higher: {obs.describe()} (baseline: {entry.figure()}{moved})"
         return f"known: {obs.describe()} (baseline: {entry.figure()}{moved})"
+
+    @property
+    def lower(self) -> bool:
+        """Matched, with a figure below the baseline's: the update would lower the entry."""
+        obs, entry = self.observation, self.entry
+        if entry is None or obs.per_step is None or entry.per_step is None or not obs.counted:
+            return False
+        return obs.per_step < entry.per_step - _EPSILON
 
 
 def _higher(obs: Observation, entry: Entry) -> bool:

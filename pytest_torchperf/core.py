@@ -58,6 +58,12 @@ EVENTS: dict[str, str] = {
     "on_graph_break": "(event): dynamo took a graph break while compiling (probe graph_breaks: a GraphBreak)",
     "on_run_end": "(): the run stops, its probes still installed (read probe state here, not in result())",
     "on_framework_call": "(call): another framework's training call began (frameworks._calls.FrameworkCall)",
+    "on_batch_start": "(): a Lightning train batch begins (only for runs with `wants_batches`, see Run)",
+    "on_batch_end": "(): that train batch ended",
+    "on_collective": "(kind, nbytes, frame): a torch.distributed collective was called (probe collectives)",
+    "on_ddp_buffers": "(ddp): DDP is about to broadcast its module buffers before a forward (probe collectives)",
+    "on_fsdp_forward": "(group): an FSDP2 parameter group ran its pre-forward (probe collectives)",
+    "on_fsdp_reduce": "(group, reduces): an FSDP2 parameter group's post-backward (reduces: it reduce-scatters)",
 }
 
 
@@ -245,6 +251,9 @@ class Run:
         self._step_block = _Step(self)
         #: Automatic steps (:mod:`pytest_torchperf.autosteps`) while the run is armed for them.
         self._auto: Any = None
+        #: A check needs Lightning's batch boundaries whatever the scope (``on_batch_start`` / ``on_batch_end``).
+        self.wants_batches = False
+        self._batch_events = False
 
     # -- what probes and checks read ---------------------------------------------------
     @property
@@ -334,14 +343,20 @@ class Run:
             self.notify("on_step_end")
 
     def batch_started(self) -> None:
-        if self._batch_depth == 0:
+        started = self._batch_depth == 0
+        if started:
             self.batches += 1
         self._batch_depth = 1
         _refresh_scope()
+        if started and self._batch_events:
+            self.notify("on_batch_start")
 
     def batch_ended(self) -> None:
+        ended = self._batch_depth > 0
         self._batch_depth = 0
         _refresh_scope()
+        if ended and self._batch_events:
+            self.notify("on_batch_end")
 
     # -- lifecycle (driven by ``watch``) ----------------------------------------------------
     def enlist(self) -> None:
@@ -353,6 +368,7 @@ class Run:
         self.enlist()
         self._handlers.clear()
         self._step_events = (bool(self.handlers("on_step_start")), bool(self.handlers("on_step_end")))
+        self._batch_events = bool(self.handlers("on_batch_start") or self.handlers("on_batch_end"))
         self._active = True
         _refresh_flags()
 

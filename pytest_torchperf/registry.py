@@ -83,6 +83,9 @@ BUILTIN = (
     "no_debug_modes",
     "gpu_settings",
     "no_oversubscription",
+    "max_ops_per_step",
+    "max_collectives_per_step",
+    "no_constant_buffer_broadcast",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.

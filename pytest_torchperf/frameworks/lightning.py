@@ -241,7 +241,7 @@ class ObservedCall:
             for run in self.runs:
                 run.notify("on_trainer_call", call.kind, call.trainer, model)
             if call.kind == "fit" and model is not None:
-                batch_scope = any(run.scope == "batch" for run in self.runs)
+                batch_scope = any(run.scope == "batch" or getattr(run, "wants_batches", False) for run in self.runs)
                 _attach_to_fit(local, call.trainer, model, call.package, batch_scope)
         except Exception as exc:  # noqa: BLE001 - never into the user's code
             core.probe_failed("lightning", exc)

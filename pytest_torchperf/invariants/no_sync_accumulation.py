@@ -59,6 +59,10 @@ class SyncAccumulationCheck(Check):
         #: a rank must be able to free its DDP, and the process group it holds, before it exits).
         self._sizes: dict[int, int] = {}
         self._torch: Any = None
+        #: FSDP2 seen; id(parameter group) -> forwards with gradients / reduce-scatter rounds in this optimizer step.
+        self.fsdp = False
+        self._fsdp_forwards: dict[int, int] = {}
+        self._fsdp_rounds: dict[int, int] = {}
 
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
         self.context.on_trainer_call(trainer, model)
@@ -82,10 +86,33 @@ class SyncAccumulationCheck(Check):
         if self.rounds == 2 and self.first_extra is None:
             self.first_extra = until_user_frame(capture(3))
 
+    # FSDP2 (``fully_shard``): each parameter group's forwards and reduce-scattering post-backwards
+    # (probe collectives); a step's micro-batches and rounds are those of its busiest group.
+    def on_fsdp_forward(self, group: Any) -> None:
+        torch = self._torch
+        if torch is None:
+            import torch
+
+            self._torch = torch
+        if torch.is_grad_enabled():
+            self.fsdp = True
+            self._fsdp_forwards[id(group)] = self._fsdp_forwards.get(id(group), 0) + 1
+
+    def on_fsdp_reduce(self, group: Any, reduces: bool) -> None:
+        if not reduces:
+            return
+        rounds = self._fsdp_rounds[id(group)] = self._fsdp_rounds.get(id(group), 0) + 1
+        if rounds == 2 and self.first_extra is None:
+            self.first_extra = until_user_frame(capture(3))
+
     def on_optimizer_step(self, optimizer: Any) -> None:
-        if self.micro_batches or self.rounds:
-            self.steps.append((self.micro_batches, self.rounds))
+        micro = max(self.micro_batches, max(self._fsdp_forwards.values(), default=0))
+        rounds = max(self.rounds, max(self._fsdp_rounds.values(), default=0))
+        if micro or rounds:
+            self.steps.append((micro, rounds))
         self.micro_batches = self.rounds = 0
+        self._fsdp_forwards.clear()
+        self._fsdp_rounds.clear()
 
     def result(self) -> CheckResult:
         steps = self.steps
@@ -104,16 +131,17 @@ class SyncAccumulationCheck(Check):
         }
         if not steps:
             why = (
-                "no DistributedDataParallel forward pass with gradients in this process"
-                if not self.forwards
-                else "DDP forward passes but no optimizer step after them"
+                "no DistributedDataParallel or FSDP2 forward pass with gradients in this process"
+                if not self.forwards and not self.fsdp
+                else "DDP or FSDP2 forward passes but no optimizer step after them"
             )
             return CheckResult(NAME, NOT_CHECKED, why, 0, [], figures)
         per_step = f"{micro / len(steps):g} micro-batches" if micro != len(steps) else "1 micro-batch"
         if not extra:
+            sync = "reduce-scatter" if self.fsdp and not self.forwards else "all-reduce"
             return CheckResult(
                 NAME, PASSED,
-                f"at most 1 all-reduce per optimizer step over {plural(len(steps), 'step')} ({per_step} each)",
+                f"at most 1 {sync} per optimizer step over {plural(len(steps), 'step')} ({per_step} each)",
                 0, [], figures,
             )
         bad = sum(1 for _, r in steps if r > 1)
@@ -128,10 +156,30 @@ class SyncAccumulationCheck(Check):
         if self.grad_bytes:
             facts.append(f"each round all-reduces {_bytes(self.grad_bytes)} of gradients: {_bytes(self.grad_bytes * extra)} sent for nothing")
         sites = [Site("an extra all-reduce armed by this forward", self.first_extra)] if self.first_extra else []
+        if self.fsdp and not self.forwards:
+            sites = [Site("an extra reduce-scatter after this backward", self.first_extra)] if self.first_extra else []
+            facts[0] = facts[0].replace("all-reduced the gradients", "reduce-scattered the gradients (FSDP2)")
+            finding = Finding(
+                f"gradients reduce-scattered on every micro-batch (FSDP2): {extra} extra reduce-scatter rounds",
+                facts, sites, self._fsdp_hint(),
+            )
+            summary = summary.replace("all-reduce rounds", "reduce-scatter rounds")
+            return CheckResult(NAME, FAILED, summary, extra, [finding], figures)
         finding = Finding(
             f"gradients all-reduced on every micro-batch: {extra} extra all-reduce rounds", facts, sites, self._hint()
         )
         return CheckResult(NAME, FAILED, summary, extra, [finding], figures)
+
+    def _fsdp_hint(self) -> str:
+        if self.context.lightning:
+            return (
+                "let Lightning accumulate: Trainer(accumulate_grad_batches=N) defers the reduce-scatter to the "
+                "last micro-batch"
+            )
+        return (
+            "call model.set_requires_gradient_sync(False) before every micro-batch but the last, and "
+            "set_requires_gradient_sync(True) before the last: FSDP2 then reduce-scatters once per optimizer step"
+        )
 
     def _hint(self) -> str:
         ctx = self.context
@@ -150,9 +198,12 @@ class SyncAccumulationCheck(Check):
 
 INVARIANT = Invariant(
     name=NAME,
-    doc="with gradient accumulation under DDP, gradients are all-reduced once per optimizer step (no_sync)",
+    doc=(
+        "with gradient accumulation under DDP or FSDP2, gradients are synced once per optimizer step "
+        "(no_sync / set_requires_gradient_sync(False))"
+    ),
     check=SyncAccumulationCheck,
     kind=Flag(),
     default=False,
-    probes=("ddp", "optimizers"),
+    probes=("ddp", "optimizers", "collectives"),
 )

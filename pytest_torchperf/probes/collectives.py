@@ -1,0 +1,176 @@
+"""Probe ``collectives``: the ``torch.distributed`` collectives a process calls, DDP's buffer broadcasts, FSDP2.
+
+Patched while a run needs it, all undone with the probe:
+
+- the collective functions of ``torch.distributed`` (and of ``distributed_c10d``, where torch's own code
+  finds them): ``all_reduce``, ``broadcast``, ``all_gather`` (and ``all_gather_into_tensor``,
+  ``all_gather_single``, ``all_gather_object``), ``reduce_scatter`` (and ``reduce_scatter_tensor``,
+  ``reduce_scatter_single``), ``all_reduce_coalesced``, ``broadcast_object_list``: each call sends
+  ``on_collective(kind, nbytes, frame)``; a collective called inside another (``all_gather_object``
+  runs ``all_gather``) is the outer one's, counted once;
+- ``DistributedDataParallel._sync_buffers``: ``on_ddp_buffers(ddp)`` before DDP broadcasts its module
+  buffers from rank 0 (a forward with ``broadcast_buffers=True``; the broadcast itself is C++);
+- FSDP2 (``torch.distributed.fsdp.fully_shard``), when its module is imported:
+  ``FSDPParamGroup.pre_forward`` sends ``on_fsdp_forward(group)`` and ``post_backward`` sends
+  ``on_fsdp_reduce(group, reduces)`` (``reduces``: it reduce-scatters the gradients now, i.e. the module was
+  not told ``set_requires_gradient_sync(False)``).
+
+DDP's gradient all-reduce runs in its C++ reducer: it is seen by the ``ddp`` probe (``on_ddp_armed``, one
+round per backward). What it costs: one Python call and a few attribute reads per collective, per DDP
+forward and per FSDP2 group call; nothing per tensor op.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import core
+from ..core import FLAGS
+from . import Probe, is_compiling_function
+
+if TYPE_CHECKING:
+    from ..patching import Patcher
+
+__all__ = ["CollectivesProbe", "KINDS", "PROBE", "tensor_bytes"]
+
+#: torch.distributed function -> (the kind it counts as, which argument holds its data).
+KINDS: dict[str, tuple[str, int]] = {
+    "all_reduce": ("all_reduce", 0),
+    "all_reduce_coalesced": ("all_reduce", 0),
+    "broadcast": ("broadcast", 0),
+    "broadcast_object_list": ("broadcast", -1),
+    "all_gather": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather_single": ("all_gather", 0),
+    "_all_gather_base": ("all_gather", 0),
+    "all_gather_object": ("all_gather", -1),
+    "reduce_scatter": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 1),
+    "reduce_scatter_single": ("reduce_scatter", 1),
+    "_reduce_scatter_base": ("reduce_scatter", 1),
+}
+
+_FSDP_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor or of a list of tensors (0 for anything else)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(v.numel() * v.element_size() for v in value if isinstance(v, torch.Tensor))
+    return 0
+
+
+class CollectivesProbe(Probe):
+    name = "collectives"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._local = threading.local()
+
+    def install(self, patcher: "Patcher") -> None:
+        import torch
+
+        self.reset()
+        distributed = getattr(torch, "distributed", None)
+        if distributed is None or not distributed.is_available():
+            self.unavailable["collectives"] = "this torch is built without torch.distributed"
+            return
+        import torch.distributed.distributed_c10d as c10d
+        from torch.nn.parallel import DistributedDataParallel
+
+        probe = self
+        local = self._local
+        flags = FLAGS
+        is_compiling = is_compiling_function()
+        notify = core.notify
+
+        def wrap_collective(kind: str, position: int) -> Callable[[Any], Any]:
+            def make(original: Callable[..., Any]) -> Callable[..., Any]:
+                @functools.wraps(original)
+                def collective(*args: Any, **kwargs: Any) -> Any:
+                    __tracebackhide__ = True
+                    # is_compiling() first: dynamo folds it, and its graph then guards on nothing of ours.
+                    if is_compiling() or not flags.active or getattr(local, "depth", 0) or probe.disabled:
+                        return original(*args, **kwargs)
+                    try:
+                        data = args[position] if 0 <= position < len(args) else None
+                        notify("on_collective", kind, tensor_bytes(data), sys._getframe(1))
+                    except Exception as exc:  # noqa: BLE001 - never into the user's code
+                        probe.failed(exc)
+                    local.depth = 1
+                    try:
+                        return original(*args, **kwargs)
+                    finally:
+                        local.depth = 0
+
+                return collective
+
+            return make
+
+        for module in (distributed, c10d):
+            for fn_name, (kind, position) in KINDS.items():
+                if callable(getattr(module, fn_name, None)):
+                    patcher.wrap(module, fn_name, wrap_collective(kind, position))
+
+        def wrap_sync_buffers(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def _sync_buffers(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if not is_compiling() and flags.active:
+                    notify("on_ddp_buffers", self)
+                local.depth = 1  # its own all_reduce (join mode) is the broadcast's
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    local.depth = 0
+
+            return _sync_buffers
+
+        if callable(vars(DistributedDataParallel).get("_sync_buffers")):
+            patcher.wrap(DistributedDataParallel, "_sync_buffers", wrap_sync_buffers)
+        else:  # pragma: no cover - a torch without it
+            self.unavailable["ddp_buffers"] = "this torch's DDP buffer broadcast cannot be observed"
+        patcher.on_import(_FSDP_GROUP, lambda module: self._patch_fsdp(patcher, module))
+
+    def _patch_fsdp(self, patcher: "Patcher", module: Any) -> None:
+        group = getattr(module, "FSDPParamGroup", None)
+        methods = vars(group) if group is not None else {}
+        if not callable(methods.get("post_backward")) or not callable(methods.get("pre_forward")):
+            self.unavailable["fsdp"] = "this torch's FSDP2 parameter groups cannot be observed"
+            return
+        flags = FLAGS
+        notify = core.notify
+        is_compiling = is_compiling_function()
+
+        def wrap_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def pre_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if not is_compiling() and flags.active:
+                    notify("on_fsdp_forward", self)
+                return original(self, *args, **kwargs)
+
+            return pre_forward
+
+        def wrap_post_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def post_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if not is_compiling() and flags.active:
+                    notify("on_fsdp_reduce", self, bool(getattr(self, "reduce_grads", True)))
+                return original(self, *args, **kwargs)
+
+            return post_backward
+
+        patcher.wrap(group, "pre_forward", wrap_pre_forward)
+        patcher.wrap(group, "post_backward", wrap_post_backward)
+
+
+PROBE = CollectivesProbe()

@@ -1,0 +1,192 @@
+"""``max_collectives_per_step``, ``no_constant_buffer_broadcast`` and FSDP2 under ``no_sync_accumulation``.
+
+The fast tests run in the test's own process, in a gloo group of one rank
+(what the probes count does not depend on the world size); the slow ones run
+2 real ranks (``torch.multiprocessing.spawn`` and Lightning's ``ddp_spawn``)
+in a fresh pytest and read the merged report.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from pytest_torchperf import parse_options, step, watch
+from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, Report
+from step_check_helpers import report_of
+
+OFF = {"no_host_sync": False, "on_device": False, "no_iterator_reset": False, "no_data_parallel": False}
+
+
+@pytest.fixture
+def group(tmp_path: Any) -> Iterator[None]:
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Masked(torch.nn.Module):
+    """A linear layer behind a constant causal mask (a buffer), and optionally a BatchNorm (buffers that change)."""
+
+    def __init__(self, norm: bool = False) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        self.register_buffer("mask", torch.ones(8, 8).tril())
+        self.norm = torch.nn.BatchNorm1d(8) if norm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x @ self.mask
+        return self.layer(self.norm(x) if self.norm is not None else x)
+
+
+def fit(make: Any, steps: int = 6, every: int = 0, **options: Any) -> Report:
+    """Train ``make()`` (built inside the watch); ``every``: a user all_reduce every N steps (0: never)."""
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 8) for _ in range(steps)]
+
+    def body() -> Any:
+        with watch(**{**OFF, **options}) as run:
+            model = make()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for i, x in enumerate(batches):
+                with step():
+                    loss = model(x).pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if every and i % every == 0:
+                        dist.all_reduce(loss.detach())  # SYNC
+        return run
+
+    return report_of(body)
+
+
+def test_off_by_default_and_validated() -> None:
+    enabled = parse_options({}).enabled_checks
+    assert "max_collectives_per_step" not in enabled and "no_constant_buffer_broadcast" not in enabled
+    with pytest.raises(ValueError, match="max_collectives_per_step must be an integer >= 0"):
+        parse_options({"max_collectives_per_step": 1.5})
+    with pytest.raises(ValueError, match="did you mean 'no_constant_buffer_broadcast'"):
+        parse_options({"no_constant_buffer_broadcasts": True})
+
+
+def test_a_user_all_reduce_every_step_breaks_the_budget_at_its_line(group: None) -> None:
+    check = fit(lambda: DDP(torch.nn.Linear(8, 1)), every=1, max_collectives_per_step=1)["max_collectives_per_step"]
+    assert check.status == FAILED
+    assert check.summary.startswith("2 collectives in one step, max_collectives_per_step=1 (2 sites;")
+    assert check.figures["per_kind"] == {"all_reduce": 2.0}
+    titles = [f.title for f in check.findings]
+    assert "all_reduce: 1 per step over 4 steps, by your code" in titles
+    assert "DDP gradient all-reduce: 1 per step over 4 steps, by DDP" in titles
+    (user,) = [f for f in check.findings if f.title.startswith("all_reduce")]
+    assert user.sites[0].frame.source == "dist.all_reduce(loss.detach())  # SYNC"
+    assert user.facts == ["16 B in all (all_reduce)"]  # a float32 scalar in each of the 4 counted steps
+    assert "reduce once per epoch or every N steps" in user.hint
+
+
+def test_a_periodic_all_reduce_is_a_note_and_the_budget_holds(group: None) -> None:
+    check = fit(lambda: DDP(torch.nn.Linear(8, 1)), steps=24, every=10, max_collectives_per_step=1)[
+        "max_collectives_per_step"
+    ]
+    assert check.status == PASSED, check.summary
+    assert check.summary == "at most 1 collectives per step over 22 counted steps (max_collectives_per_step=1)"
+    notes = [f.title for f in check.findings if f.title.startswith("note: ")]
+    assert notes == ["note: periodic: 2 of 22 steps: all_reduce: 1 per step in 2 of 22 steps, by your code"]
+
+
+def test_the_baseline_gets_one_entry_per_site_with_its_calls_per_step(group: None) -> None:
+    check = fit(lambda: DDP(torch.nn.Linear(8, 1)), every=1, max_collectives_per_step="baseline")[
+        "max_collectives_per_step"
+    ]
+    assert check.status == FAILED  # the ratchet decides
+    entries = sorted(check.figures["baseline_counts"], key=lambda e: e["label"])
+    assert [(e["label"], e["per_step"], e["function"]) for e in entries] == [
+        ("DDP gradient all-reduce", 1.0, "body"), ("all_reduce", 1.0, "body"),
+    ]
+    assert entries[1]["source"] == "dist.all_reduce(loss.detach())  # SYNC"
+    clean = fit(lambda: torch.nn.Linear(8, 1), max_collectives_per_step="baseline")["max_collectives_per_step"]
+    assert clean.status == PASSED and clean.figures["baseline_counts"] == []
+
+
+# -- no_constant_buffer_broadcast -----------------------------------------------------------------
+
+
+def test_ddp_broadcasting_a_constant_buffer_fails(group: None) -> None:
+    check = fit(lambda: DDP(Masked()), no_constant_buffer_broadcast=True)["no_constant_buffer_broadcast"]
+    assert check.status == FAILED
+    assert check.summary == "DDP broadcast constant buffers before every forward: 1.5 KiB for nothing"
+    (finding,) = check.findings
+    assert finding.title == "DDP broadcast 1 buffer that never changed"
+    assert finding.facts[0] == "broadcast from rank 0 before each of 6 forwards: mask (256 B)"
+    built, forward = finding.sites
+    assert built.label == "DDP built with its buffer broadcast on (the default)"
+    assert built.frame.source.startswith("check = fit(lambda: DDP(Masked()), ")
+    assert forward.frame.source == "loss = model(x).pow(2).mean()" and forward.count == 6
+    assert "DistributedDataParallel(model, forward_sync_buffers=False)" in finding.hint
+    assert "persistent=False" in finding.hint
+
+
+@pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning")
+def test_broadcast_buffers_false_and_changing_buffers_pass(group: None) -> None:
+    for off in (dict(broadcast_buffers=False), dict(forward_sync_buffers=False)):
+        check = fit(lambda: DDP(Masked(), **off), no_constant_buffer_broadcast=True)["no_constant_buffer_broadcast"]
+        assert check.status == PASSED
+        assert check.summary.startswith("DDP broadcast no buffers in 6 forwards")
+    normed = fit(lambda: DDP(Masked(norm=True)), no_constant_buffer_broadcast=True)["no_constant_buffer_broadcast"]
+    # BatchNorm's statistics change every forward, the mask does not: the finding says to keep the broadcast.
+    assert normed.status == FAILED
+    (finding,) = normed.findings
+    assert finding.facts[0] == "broadcast from rank 0 before each of 6 forwards: mask (256 B)"
+    assert "norm.running_mean, norm.running_var, norm.num_batches_tracked" in finding.facts[2]
+    assert finding.hint.startswith("other buffers do change, so keep the broadcast")
+    plain = fit(Masked, no_constant_buffer_broadcast=True)["no_constant_buffer_broadcast"]
+    assert plain.status == NOT_CHECKED
+
+
+# -- FSDP2 ------------------------------------------------------------------------------------------
+
+
+def fsdp_fit(quiet: bool, steps: int = 3, micro: int = 4) -> Report:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 8) for _ in range(steps * micro)]
+
+    def body() -> Any:
+        with watch(**OFF, no_sync_accumulation=True) as run:
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+            fully_shard(model[0])
+            fully_shard(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for s in range(steps):
+                for m in range(micro):
+                    if quiet:
+                        model.set_requires_gradient_sync(m == micro - 1)
+                    model(batches[s * micro + m]).pow(2).mean().backward()  # BACKWARD
+                opt.step()
+                opt.zero_grad()
+        return run
+
+    return report_of(body)
+
+
+def test_fsdp2_reduce_scattering_every_micro_batch_fails_no_sync_accumulation(group: None) -> None:
+    check = fsdp_fit(quiet=False)["no_sync_accumulation"]
+    assert check.status == FAILED
+    assert check.summary == "12 reduce-scatter rounds for 3 optimizer steps, up to 4 per step: 9 not needed"
+    (finding,) = check.findings
+    assert finding.title == "gradients reduce-scattered on every micro-batch (FSDP2): 9 extra reduce-scatter rounds"
+    assert finding.sites[0].frame.source == "model(batches[s * micro + m]).pow(2).mean().backward()  # BACKWARD"
+    assert "set_requires_gradient_sync(False)" in finding.hint
+
+
+def test_fsdp2_with_gradient_sync_off_until_the_last_micro_batch_passes(group: None) -> None:
+    check = fsdp_fit(quiet=True)["no_sync_accumulation"]
+    assert check.status == PASSED
+    assert check.summary == "at most 1 reduce-scatter per optimizer step over 3 steps (4 micro-batches each)"
