@@ -77,6 +77,7 @@ BUILTIN = (
     "max_memory_growth",
     "no_unused_parameters_search",
     "no_sync_accumulation",
+    "max_data_wait",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.
