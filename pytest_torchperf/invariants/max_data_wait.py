@@ -106,7 +106,7 @@ class DataWaitCheck(Check):
             return False, None, "no batch after the first was timed"
         if predicted is None:
             return False, None, (
-                f"its {w.workers} workers were started with {w.info.start_method!r}, which runs them unpatched: "
+                f"its {plural(w.workers, 'worker')} started with {w.info.start_method!r} ran unpatched: "
                 f"their time per batch was not measured, and the loader only had to keep up with this run's step "
                 f"(at least {rate:.0f} batches/s delivered; {1 / self.target:.0f}/s needed)"
             )

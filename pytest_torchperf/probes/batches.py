@@ -5,6 +5,8 @@ Patches, while installed:
 - ``DataLoader.__iter__``: a pass begins; its clock starts before the loader
   makes its iterator, so a worker pool started for the pass is inside the
   time to its first batch (:class:`Pass`);
+- ``_MultiProcessingDataLoaderIter.__init__``: counted, so a pass knows whether
+  it started a pool or reused one;
 - ``_BaseDataLoaderIter.__next__``: a batch is handed to the training process;
   the time inside the call is the time the process waited for it (the
   workers' hand-off, or the loading and collating itself with ``num_workers=0``);
@@ -161,6 +163,8 @@ class BatchesProbe(Probe):
         #: The slot of the pool being started; in a worker process, the slot of its own pool.
         self.forking = -1
         self._next_slot = 0
+        #: Worker pools started (``_MultiProcessingDataLoaderIter.__init__`` calls) since the probe was installed.
+        self.pools_started = 0
         #: The workers' table: (seconds, batches) per worker of each pool slot, as doubles.
         self._shared: Any = None
         self._mmap: Optional[mmap.mmap] = None
@@ -214,7 +218,7 @@ class BatchesProbe(Probe):
             self._shared = memoryview(self._mmap).cast("d")
         return self._shared
 
-    def _begin(self, loader: Any, start: float) -> tuple[Pass, int]:
+    def _begin(self, loader: Any, start: float) -> tuple[Pass, int, int]:
         times = self.loaders.get(loader)
         if times is None:
             times = self.loaders[loader] = LoaderTimes(loader)
@@ -234,18 +238,20 @@ class BatchesProbe(Probe):
             base = slot * MAX_WORKERS * 2
             for i in range(base, base + MAX_WORKERS * 2):
                 shared[i] = 0.0
-        return p, slot
+        return p, slot, self.pools_started
 
-    def _began(self, loader: Any, iterator: Any, p: Pass, slot: int, base_iter: type) -> None:
+    def _began(self, loader: Any, iterator: Any, p: Pass, slot: int, pools: int, base_iter: type) -> None:
         times = self.loaders.get(loader)
         if times is None or not isinstance(iterator, base_iter):
             return
         previous = times.last_iterator() if times.last_iterator is not None else None
-        if p.num_workers > 0 and iterator is not previous:
+        if self.pools_started != pools:  # a pool was started inside this iter(loader)
             p.new_pool = True
             if slot >= 0:
                 self._next_slot += 1
             times.pool = slot
+        elif iterator is not previous:  # a pool started before the run (or not by iter()): its workers are not timed
+            times.pool = -1
         p.pool = times.pool
         times.last_iterator = weakref.ref(iterator)
         p.iterator = weakref.ref(iterator)
@@ -274,9 +280,9 @@ class BatchesProbe(Probe):
                 if not flags.active:
                     return original(self)
                 start = clock()
-                p, slot = None, -1
+                p, slot, pools = None, -1, 0
                 try:
-                    p, slot = probe._begin(self, start)
+                    p, slot, pools = probe._begin(self, start)
                     probe.forking = slot
                 except Exception as exc:  # noqa: BLE001 - never into the user's code
                     probe.failed(exc)
@@ -286,7 +292,7 @@ class BatchesProbe(Probe):
                     probe.forking = -1
                 if p is not None:
                     try:
-                        probe._began(self, iterator, p, slot, base_iter)
+                        probe._began(self, iterator, p, slot, pools, base_iter)
                     except Exception as exc:  # noqa: BLE001
                         probe.failed(exc)
                 return iterator
@@ -329,6 +335,15 @@ class BatchesProbe(Probe):
                 return batch
 
             return __next__
+
+        def wrap_pool_init(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                __tracebackhide__ = True
+                probe.pools_started += 1
+                original(self, *args, **kwargs)
+
+            return __init__
 
         def wrap_fetch(original: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(original)
@@ -380,6 +395,7 @@ class BatchesProbe(Probe):
 
         patcher.wrap(dl.DataLoader, "__iter__", wrap_iter)
         patcher.wrap(dl._BaseDataLoaderIter, "__next__", wrap_next)
+        patcher.wrap(dl._MultiProcessingDataLoaderIter, "__init__", wrap_pool_init)
         patcher.wrap(fetch_mod._MapDatasetFetcher, "fetch", wrap_fetch)
         patcher.wrap(fetch_mod._IterableDatasetFetcher, "fetch", wrap_fetch)
 
