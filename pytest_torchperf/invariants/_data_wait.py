@@ -9,6 +9,7 @@ the dataset, ``collate_fn``, the rest), and the rate the loader can deliver.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from typing import Any, Optional
@@ -147,7 +148,8 @@ class LoaderWait:
         other = max(self.wait - data - collate, 0.0)
         return max((data, "dataset"), (collate, "collate"), (other, "other"))[1]
 
-    def hint(self, cuda: bool) -> str:
+    def hint(self, cuda: bool, share: float, target: Optional[float] = None) -> str:
+        """The fix that fits what was measured; ``share``: the wait judged (at ``target`` when one was given)."""
         cores = os.cpu_count() or 1
         info = self.info
         dataset = function_name(info.getitem, info.dataset_type) if info.getitem else "the dataset"
@@ -176,12 +178,15 @@ class LoaderWait:
                 f"pass persistent_workers=True: each pass starts a new pool of {self.workers} workers "
                 f"({fmt(self.first_batch or 0.0)} to its first batch)"
             )
-        if self.worker_s is not None and self.share >= 0.05:
+        step = target if target is not None else self.step
+        if self.worker_s is not None and share >= 0.05 and step > 0:
+            needed = math.ceil(self.worker_s / step)
             parts.append(
-                f"its {self.workers} workers take {fmt(self.worker_s)} per batch each: add workers (this machine "
-                f"has {cores} cores), or make {dataset} cheaper (move its transform off the hot path)"
+                f"its {self.workers} workers take {fmt(self.worker_s)} per batch each: a {fmt(step)} step needs "
+                f"about {needed} such workers (this machine has {cores} cores), or a cheaper {dataset} (move its "
+                "transform off the hot path, or onto the whole batch on the device)"
             )
-        elif self.share >= 0.05:
+        elif share >= 0.05:
             parts.append(
                 f"add workers (this machine has {cores} cores) or raise prefetch_factor, or make {dataset} cheaper "
                 "(move its transform off the hot path)"

@@ -196,12 +196,21 @@ class DataWaitCheck(Check):
         if broken:
             findings = []
             for lw, sites, _, share, _ in broken:
-                findings.append(Finding(self._title(lw, share), self._facts(lw, share), sites, lw.hint(cuda)))
-            share = broken[0][3] if broken[0][3] is not None else broken[0][0].share
+                judged_share = share if share is not None else lw.share
+                hint = lw.hint(cuda, judged_share, self.target)
+                findings.append(Finding(self._title(lw, share), self._facts(lw, share), sites, hint))
+            first_broken = broken[0][0]
+            share = broken[0][3] if broken[0][3] is not None else first_broken.share
+            delivered, _ = first_broken.rate()
+            if self.target is None:
+                detail = f"{fmt(first_broken.wait)} per batch" + (
+                    f", {delivered:.0f} batches/s" if delivered is not None else "")
+            else:
+                detail = (f"{delivered:.0f} batches/s delivered, " if delivered is not None else "") + (
+                    f"{1 / self.target:.0f}/s needed")
             summary = (
                 f"{plural(len(broken), 'training DataLoader')} kept the loop waiting: {percent(share)} > "
-                f"{percent(self.limit)} against {against} ({fmt(broken[0][0].wait)} per batch"
-                + (f", {rate:.0f} batches/s" if rate is not None else "") + ")"
+                f"{percent(self.limit)} against {against} ({detail})"
             )
             return CheckResult(NAME, FAILED, summary, len(broken), findings, figures)
         unchecked = [j for j in judged if j[4]]
