@@ -71,6 +71,16 @@ class LoaderWait:
         self.worker_s = seconds / count if count else None
         self.worker_batches = count
 
+    @property
+    def untimed(self) -> str:
+        """Why the workers' own time per batch was not measured (with workers, when it was not)."""
+        method = self.info.start_method
+        if method in ("spawn", "forkserver"):
+            return f"workers started with {method!r} run unpatched"
+        if not any(p.new_pool for p in self.passes):
+            return "its worker pool was started before the run, when its workers were not timed"
+        return "its workers reported no batch"
+
     # -- figures ----------------------------------------------------------------------
     @property
     def share(self) -> float:
@@ -167,11 +177,17 @@ class LoaderWait:
             per_item = ""
             if info.batch_size and self.fetches:
                 per_item = f" ({fmt(self.data_s / self.fetches / info.batch_size)} per sample)"
-            return (
+            text = (
                 f"pass num_workers={workers} and persistent_workers=True{pin}, so workers run {dataset}{per_item} "
                 "while the step runs; or move the transform it does off the hot path (do it once, in __init__ or "
                 "offline, or on the whole batch on the device)"
             )
+            if self.fetches and self.collate_s >= 0.25 * self.waits:
+                text += (
+                    f"; collate_fn takes {fmt(self.collate_s / self.fetches)} a batch too: a cheaper collate (samples "
+                    "of ready tensors: a list of numbers is collated into one tensor per position)"
+                )
+            return text
         parts = []
         if not info.persistent and self.pools > 1:
             parts.append(

@@ -106,9 +106,8 @@ class DataWaitCheck(Check):
             return False, None, "no batch after the first was timed"
         if predicted is None:
             return False, None, (
-                f"its {plural(w.workers, 'worker')} started with {w.info.start_method!r} ran unpatched: "
-                f"their time per batch was not measured, and the loader only had to keep up with this run's step "
-                f"(at least {rate:.0f} batches/s delivered; {1 / self.target:.0f}/s needed)"
+                f"{w.untimed}: their time per batch was not measured, and the loader only had to keep up with "
+                f"this run's step (at least {rate:.0f} batches/s delivered; {1 / self.target:.0f}/s needed)"
             )
         return rate * self.target < 1 or predicted > self.limit, predicted, ""
 
@@ -123,8 +122,7 @@ class DataWaitCheck(Check):
             facts.append(f"each of its {plural(w.workers, 'worker')} takes {fmt(w.worker_s)} per batch "
                          f"(measured in the workers, {plural(w.worker_batches, 'batch', 'batches')})")
         elif w.workers:
-            facts.append(f"its workers' own time per batch was not measured (workers started with "
-                         f"{w.info.start_method!r} run unpatched)")
+            facts.append(f"its workers' own time per batch was not measured ({w.untimed})")
         step = f"{fmt(w.step)} per batch"
         if self.target is None:
             facts.append(

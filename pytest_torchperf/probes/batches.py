@@ -119,13 +119,22 @@ class LoaderInfo:
         self.collate = getattr(loader, "collate_fn", None)
         context = getattr(loader, "multiprocessing_context", None)
         if context is None and self.num_workers > 0:
-            try:
-                import multiprocessing
-
-                context = multiprocessing.get_start_method(allow_none=True) or "fork"
-            except Exception:  # noqa: BLE001
-                context = None
+            context = _default_start_method()
         self.start_method = getattr(context, "_name", context) if context is not None else None
+
+
+def _default_start_method() -> Optional[str]:
+    """The start method workers get by default, read without fixing it (``get_start_method()`` would)."""
+    import multiprocessing
+
+    try:
+        method = multiprocessing.get_start_method(allow_none=True)
+        if method is None:
+            default = getattr(getattr(multiprocessing, "context", None), "_default_context", None)
+            method = getattr(getattr(default, "_default_context", None), "_name", None)
+        return method
+    except Exception:  # noqa: BLE001 - only words in a report
+        return None
 
 
 class LoaderTimes:
