@@ -86,6 +86,7 @@ BUILTIN = (
     "max_ops_per_step",
     "max_collectives_per_step",
     "no_constant_buffer_broadcast",
+    "max_data_wait",
 )
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.

@@ -7,7 +7,9 @@ skip, unless ``TORCHPERF_REQUIRE_LEGACY=1`` (set by CI), where they fail.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -63,10 +65,24 @@ def test_pytorch_lightning_1_5_0_fails_with_the_stack_that_dropped_the_iterator(
     # The validation loader too, its sanity-check pool included.
     assert "worker pools started in: sanity check, epoch 0 (validate), epoch 1 (validate)" in out
     assert "fixed in 1.5.1" in out
+    # What each rebuilt pool cost: the seed's workers open their shards (0.2 s) again every epoch.
+    lost = re.search(r"4 worker pools started; 3 rebuilt, ([\d.]+) (m?s) each \((\d+)% of the fit\)", out)
+    assert lost, out
+    each = float(lost.group(1)) * (1e-3 if lost.group(2) == "ms" else 1.0)
+    assert 0.19 <= each < 20
+    assert 1 <= int(lost.group(3)) <= 100
+    assert "time from the start of each pass to its first batch: " in out
 
 
-def test_pytorch_lightning_1_5_1_passes() -> None:
-    result = _run("1.5.1")
+def test_pytorch_lightning_1_5_1_passes(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    result = _run("1.5.1", f"--torchperf-json={report}")
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "no_iterator_reset: passed (2 loaders with workers, 2 worker pools started)" in out
+    # No pool rebuilt, no second lost: only each loader's first pass waits for its workers to open their shards.
+    figures = json.loads(report.read_text())["tests"][0]["runs"][0]["checks"]["no_iterator_reset"]["figures"]
+    assert figures["rebuilt_pools_lost_s"] == 0.0
+    for loader in figures["loaders"]:
+        first, *reused = loader["first_batch_s"]
+        assert first >= 0.19 and reused and max(reused) < first

@@ -31,12 +31,15 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..arguments import Flag
 from ..core import Check
 from ..frameworks import lightning
+from ..probes.batches import PROBE as BATCHES
+from ..probes.batches import Pass
 from ..probes.iterators import DROP, POOL, SHUTDOWN
 from ..probes.loaders import PROBE as LOADERS
 from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import Frame, Stack
 from ..text import times
+from ._pool_cost import RunClock, first_batch_line, first_batches, pool_cost
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -52,6 +55,8 @@ class _Event:
     label: str = ""
     sanity: bool = False
     how: str = ""
+    #: For a pool: the pass it was started for, timed to its first batch (probe batches).
+    timing: Optional[Pass] = None
 
 
 class _Loader:
@@ -80,6 +85,8 @@ class _Loader:
         #: The check's clock at this loader's first and last pass or pool: when it was in use.
         self.first_used: Optional[int] = None
         self.last_used: Optional[int] = None
+        #: Its passes timed to their first batch (probe batches), read when the run ends.
+        self.timed: list[Pass] = []
 
     def used(self, clock: int) -> None:
         if self.first_used is None:
@@ -114,13 +121,24 @@ class IteratorResetCheck(Check):
         self._reload: dict[int, int] = {}
         #: Where each loader was built or first iterated: the loaders probe fills it while the run has it.
         self.log = LOADERS.log_for(run)
+        #: When the run and its Trainer calls ran (what a rebuilt pool's seconds are a share of).
+        self.clock = RunClock()
 
     # -- events from the probe ----------------------------------------------------
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
         self._segment += 1
+        self.clock.call(kind)
         reload = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
         if isinstance(reload, int) and reload > 0:
             self._reload[self._segment] = reload
+
+    def on_trainer_call_end(self, kind: str, trainer: Any, model: Any) -> None:
+        self.clock.call_end()
+
+    def on_run_end(self) -> None:
+        self.clock.end()
+        for rec in self._loaders.values():  # the probe forgets them when it is removed, before the verdict
+            rec.timed = first_batches(rec.loader, self.clock.started)
 
     def _record(self, loader: Any) -> _Loader:
         rec = self._loaders.get(id(loader))
@@ -145,7 +163,8 @@ class IteratorResetCheck(Check):
         self._clock += 1
         rec.used(self._clock)
         label, sanity = self._label(rec)
-        rec.events.append(_Event(kind, stack, self._segment, label, sanity, how))
+        timing = BATCHES.latest_pass(loader) if kind == POOL else None
+        rec.events.append(_Event(kind, stack, self._segment, label, sanity, how, timing))
 
     # -- verdict ----------------------------------------------------------------
     def _extra_pools(self, rec: _Loader) -> list[_Event]:
@@ -179,6 +198,7 @@ class IteratorResetCheck(Check):
             f"loader started its own worker pool: {len(pools)} pools"
         )
         facts = [f"worker pools started in: {', '.join(p.label for _, p in pools)}"]
+        facts.extend(self._cost(group, [p for _, p in extra], len(pools)))
         reload = sorted({v for seg, v in self._reload.items() if any(p.segment == seg for _, p in pools)})
         sites = [Site("DataLoader built", first.created or ())]
         sites.extend(merge_sites([Site("worker pool started by a rebuilt loader", p.stack) for _, p in extra]))
@@ -216,6 +236,7 @@ class IteratorResetCheck(Check):
                 f"{len(epochs)} {unit}{sanity}"
             )
         facts = [f"worker pools started in: {where}"]
+        facts.extend(self._cost([rec], extra, len(pools)))
         sites: list[Site] = []
         culprits: list[Site] = []
         for pool in extra:
@@ -247,6 +268,14 @@ class IteratorResetCheck(Check):
                 "and their copies of the dataset survive between epochs instead of being respawned."
             )
         return Finding(title, facts, sites, hint)
+
+    def _cost(self, loaders: list[_Loader], extra: list[_Event], pools: int) -> list[str]:
+        """The seconds the extra pools cost (fact lines), and their figures kept for the JSON report."""
+        passes = [p for rec in loaders for p in rec.timed]
+        line, figures = pool_cost(passes, [e.timing for e in extra], pools, self.clock)
+        self._costs.append(figures)
+        first = first_batch_line(passes)
+        return [text for text in (first, line) if text]
 
     def _name(self, loaders: list[_Loader], rebuilt: list[list[_Loader]]) -> None:
         """Name each loader with the line that built it: the calling line too when two share a helper's line,
@@ -280,6 +309,7 @@ class IteratorResetCheck(Check):
                 rec.description = first.description
 
     def result(self) -> CheckResult:
+        self._costs: list[dict[str, Any]] = []
         with_workers = [r for r in self._loaders.values() if r.num_workers > 0]
         groups: dict[tuple[str, ...], list[_Loader]] = {}
         for rec in with_workers:
@@ -313,10 +343,15 @@ class IteratorResetCheck(Check):
                     "passes": r.passes,
                     "pools_started": len(r.pools()),
                     "pools_started_in": [p.label for p in r.pools()],
+                    "first_batch_s": [round(p.first or 0.0, 4) for p in r.timed][:32],
                 }
                 for r in with_workers
             ],
         }
+        lost = [c["lost_s"] for c in self._costs if c.get("lost_s") is not None]
+        shares = [c["lost_share"] for c in self._costs if c.get("lost_share") is not None]
+        figures["rebuilt_pools_lost_s"] = round(sum(lost), 4) if lost else 0.0
+        figures["rebuilt_pools_lost_share"] = round(sum(shares), 4) if shares else 0.0
         # The verdict is all that is kept: let go of the loaders (and their workers).
         for r in self._loaders.values():
             r.loader = None
@@ -342,5 +377,5 @@ INVARIANT = Invariant(
     check=IteratorResetCheck,
     kind=Flag(),
     default=True,
-    probes=("iterators", "loaders"),
+    probes=("iterators", "loaders", "batches"),
 )
