@@ -58,7 +58,7 @@ CONSTANT = "built once, copied every step"
 COPY = "copied from the host"
 DATA_COPY = "python data copied to the device"
 _OPS = {"to": ".to(...)", "cuda": ".cuda()", "type_as": ".type_as(...)", "copy_": ".copy_(...)", DATA: "device="}
-_OPERATORS = frozenset(("==", "!=", "<", "<=", ">", ">=", "+", "-", "*", "/", "&", "|", "~"))
+_OPERATORS = frozenset(("==", "!=", "<", "<=", ">", ">=", "+", "-", "*", "/", "&", "|", "~", "**", "@", "//", "%", "^"))
 
 
 def made_by(birth: Birth) -> str:

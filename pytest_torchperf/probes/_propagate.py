@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ..core import FLAGS
 from ..frames import caller, kind_of
 from ..stacks import TORCH, Frame
+from . import _follow
 from ._host import LEGACY, Birth, is_cpu_string
 
 if TYPE_CHECKING:
@@ -71,9 +72,11 @@ BINARY = (
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
     "__and__", "__or__",
+    "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__",
+    "__xor__",
 )
 #: Tensor dunders of one operand.
-UNARY = ("__neg__", "__invert__")
+UNARY = ("__neg__", "__invert__", "__abs__")
 #: Other Tensor methods followed.
 METHODS = ("triu", "tril", "masked_fill", "detach", "clone")
 #: ``torch`` functions followed.
@@ -83,6 +86,8 @@ _LABELS = {
     "__eq__": "==", "__ne__": "!=", "__lt__": "<", "__le__": "<=", "__gt__": ">", "__ge__": ">=",
     "__add__": "+", "__radd__": "+", "__sub__": "-", "__rsub__": "-", "__mul__": "*", "__rmul__": "*",
     "__truediv__": "/", "__rtruediv__": "/", "__and__": "&", "__or__": "|", "__neg__": "-", "__invert__": "~",
+    "__pow__": "**", "__rpow__": "**", "__matmul__": "@", "__rmatmul__": "@", "__floordiv__": "//",
+    "__rfloordiv__": "//", "__mod__": "%", "__rmod__": "%", "__xor__": "^", "__abs__": "abs",
 }
 
 
@@ -174,6 +179,8 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
             patcher.wrap(tensor_type, name, lambda original, name=name: unary(name, original))
         for name in METHODS:
             patcher.wrap(tensor_type, name, lambda original, name=name: method(name, original))
+        # Every other operation (``pow``, ``sin``, ``einsum``, ``matmul``...): :mod:`._follow`.
+        _follow.install(probe, patcher, torch, dispatch, set(METHODS) | set(BINARY) | set(UNARY), set(FUNCTIONS))
 
     # The ``torch`` functions now: in ``torch.triu(torch.ones(n, n))`` the function is looked up before
     # its argument is built. Tensor operations only when the first host tensor built outside torch
