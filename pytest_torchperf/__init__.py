@@ -18,6 +18,7 @@ or :func:`register`.
 
 from __future__ import annotations
 
+from . import clocks  # noqa: F401 - first: the clock functions are bound before any test can patch them
 from ._version import __version__
 from .arguments import Argument, Choice, Flag, Integer, Number, SiteList, UsageError
 from .core import EVENTS, Check, Run

@@ -24,11 +24,11 @@ import bisect
 import gc
 import re
 import sys
-import time
 from dataclasses import dataclass, field
 from types import FrameType, ModuleType
 from typing import Any, Callable, Iterable, Optional
 
+from ..clocks import perf_counter
 from ..frames import kind_of
 from ..stacks import TORCHPERF, USER, Frame, Stack
 
@@ -251,7 +251,7 @@ def scan(
     """
     import torch
 
-    begin = time.perf_counter()
+    begin = perf_counter()
     result = Scan(at_step)
     date = _Dater(list(starts))
     tensors = live_graph_tensors()
@@ -318,7 +318,7 @@ def scan(
             if result.truncated:
                 break
     result.nodes_visited = visited_total
-    result.seconds = time.perf_counter() - begin
+    result.seconds = perf_counter() - begin
     del keep, tensors
     return result
 

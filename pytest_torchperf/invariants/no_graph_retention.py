@@ -51,12 +51,12 @@ thread's counter and may be dated wrongly in the diagnosis.
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..arguments import Flag
+from ..clocks import perf_counter
 from ..core import Check
 from ..probes import cuda_available
 from ..probes.graphs import PROBE as GRAPHS
@@ -305,11 +305,11 @@ class GraphRetentionCheck(Check):
         # Read the user's locals first: that refreshes the snapshot a frame keeps of them since the last
         # scan read them, which would otherwise still hold that step's tensors.
         locals_index, snapshots = frame_locals(set())
-        begin = time.perf_counter()
+        begin = perf_counter()
         found = scan(self.starts, step, skip_storages, self.traced_step)
         diagnosis = self._diagnose(found, locals_index, snapshots)
         self.scans += 1
-        self.scan_seconds += time.perf_counter() - begin
+        self.scan_seconds += perf_counter() - begin
         if self.diagnosis is None or (diagnosis.groups and diagnosis.weight >= self.diagnosis.weight):
             self.diagnosis = diagnosis
 

@@ -32,11 +32,11 @@ invariant, to name the line that built what is retained.
 from __future__ import annotations
 
 import functools
-import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
+from ..clocks import perf_counter
 from ..core import FLAGS
 from . import Probe, is_compiling_function
 
@@ -104,7 +104,7 @@ class GraphsProbe(Probe):
         flags = FLAGS
         probe = self
         is_compiling = is_compiling_function()
-        clock = time.perf_counter
+        clock = perf_counter
         self._current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
         self._no_subclass_code = torch._C.DisableTorchFunctionSubclass
 
@@ -144,7 +144,7 @@ class GraphsProbe(Probe):
         if not roots:
             return
         core.notify("on_backward_sample", roots)
-        end = time.perf_counter()
+        end = perf_counter()
         self.samples += 1
         self.sample_seconds += end - start
         self.next_due = end + (end - start) / BUDGET
