@@ -1,0 +1,171 @@
+"""Right verdicts, round 3: host math followed, one policy for input batches, graphs kept outside the loss,
+DataParallel wrappers driven through another method, messages, and the plugin as a guest in a foreign suite.
+
+Every test runs real user code through ``pytester`` (a test file, a marker or the fixture), as a user would.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pl = pytest.importorskip("pytorch_lightning")
+
+EVERY_INVARIANT = (
+    "no_host_sync=True, on_device=True, no_iterator_reset=True, max_overhead=0.5, min_workers=1, pin_memory=True, "
+    "no_empty_cache=True, no_data_parallel=True, grads_set_to_none=True, no_recompiles=True, "
+    "mixed_precision=True, no_graph_retention=True, max_memory_growth=1000000, "
+    "no_unused_parameters_search=True, no_sync_accumulation=True"
+)
+
+
+# -- 1. host math is followed ----------------------------------------------------------------------
+
+SINUSOIDAL = """
+import math
+import pytest
+import torch
+
+def timestep_embedding(n, d, dev):
+    pos = torch.arange(n).float()
+    inv = 1 / (10000 ** (torch.arange(0, d, 2) / d))
+    emb = torch.einsum("i,j->ij", pos, inv)
+    return torch.cat([emb.sin(), emb.cos()], -1).to(dev)  # MOVE
+
+def train(run, exp_and_matmul=False):
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dev = torch.device("cpu")
+    for _ in range(4):
+        with run.step():
+            x = torch.ones(8, 16, device=dev)
+            if exp_and_matmul:
+                freqs = torch.exp(-math.log(10000.0) * torch.arange(8) / 8)
+                table = (torch.arange(8).float()[:, None] @ freqs[None, :]).repeat(1, 2).to(dev)  # MOVE2
+            else:
+                table = timestep_embedding(8, 16, dev)
+            loss = model(x + table).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+def test_sinusoidal(torchperf):
+    with torchperf.watch() as run:
+        train(run)
+
+def test_exp_matmul(torchperf):
+    with torchperf.watch() as run:
+        train(run, exp_and_matmul=True)
+"""
+
+
+def test_host_math_through_pow_einsum_sin_cos_is_followed_to_its_move(pytester: pytest.Pytester) -> None:
+    path = pytester.makepyfile(test_embedding=SINUSOIDAL)
+    lines = path.read_text().splitlines()
+    move = next(i for i, line in enumerate(lines, 1) if line.endswith("# MOVE"))
+    move2 = next(i for i, line in enumerate(lines, 1) if line.endswith("# MOVE2"))
+    result = pytester.runpytest("-p", "no:warnings")
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    assert f"moved at test_embedding.py:{move}:" in out, out
+    assert f"moved at test_embedding.py:{move2}:" in out, out
+    assert "torch.arange(...).float().einsum().sin().cat() built on the host" in out, out
+    assert "torch.arange(...).float() @ ….repeat() built on the host" in out, out
+
+
+# -- 7. a guest in a foreign suite -----------------------------------------------------------------
+
+MOCKED_CLOCKS = f"""
+import time
+from unittest import mock
+import pytest
+import torch
+
+def loop():
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for _ in range(3):
+        loss = model(torch.ones(2, 4, requires_grad=True)).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append((time.perf_counter(), time.monotonic()))
+    return seen
+
+def check():
+    with mock.patch("time.perf_counter", side_effect=[1.0, 2.0, 3.0]), \\
+            mock.patch("time.monotonic", side_effect=[10.0, 20.0, 30.0]):
+        assert loop() == [(1.0, 10.0), (2.0, 20.0), (3.0, 30.0)]
+
+def test_plain():
+    check()
+
+@pytest.mark.torchperf({EVERY_INVARIANT}, scope="test")
+def test_watched():
+    check()
+"""
+
+
+def test_a_test_mocking_the_clocks_runs_identically_watched_with_every_invariant(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_clocks=MOCKED_CLOCKS)
+    result = pytester.runpytest("-p", "no:warnings", "--torchperf-report-only", "-rA")
+    result.assert_outcomes(passed=2)
+    assert "StopIteration" not in result.stdout.str()
+
+
+def test_the_plugin_reads_no_clock_through_the_time_module() -> None:
+    """Every clock of the package is bound at import (see ``pytest_torchperf.clocks``)."""
+    import pathlib
+    import re
+
+    import pytest_torchperf
+
+    root = pathlib.Path(pytest_torchperf.__file__).parent
+    pattern = re.compile(r"\btime\.(perf_counter|monotonic|time|process_time|thread_time|sleep)\b")
+    offenders = [
+        f"{path.relative_to(root)}:{i}"
+        for path in root.rglob("*.py")
+        if path.name != "clocks.py"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert not offenders, offenders
+
+
+THREADS = """
+import os
+import pytest
+import torch
+
+def test_unmarked(request):
+    (request.config.rootpath / f"unmarked-{os.environ['PYTEST_XDIST_WORKER']}.txt").write_text(
+        f"{torch.get_num_threads()} {os.environ.get('OMP_NUM_THREADS')}"
+    )
+
+@pytest.mark.torchperf
+def test_marked(request):
+    (request.config.rootpath / f"marked-{os.environ['PYTEST_XDIST_WORKER']}.txt").write_text(
+        f"{torch.get_num_threads()}"
+    )
+
+def test_unmarked_after(request):
+    test_unmarked(request)
+"""
+
+
+def test_under_xdist_only_watched_tests_get_the_thread_setting(pytester: pytest.Pytester, monkeypatch) -> None:
+    pytest.importorskip("xdist")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    pytester.makepyfile(test_threads=THREADS)
+    plain = pytester.runpytest_subprocess("-n", "2", "-p", "no:torchperf", "-p", "no:cacheprovider")
+    plain.assert_outcomes(passed=3)
+    unwatched = {p.read_text() for p in pytester.path.glob("unmarked-*.txt")}
+    for p in pytester.path.glob("*.txt"):
+        p.unlink()
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--torchperf-threads=1")
+    result.assert_outcomes(passed=3)
+    seen = {p.read_text() for p in pytester.path.glob("unmarked-*.txt")}
+    assert seen == unwatched, (seen, unwatched)
+    assert {p.read_text() for p in pytester.path.glob("marked-*.txt")} == {"1"}
