@@ -55,6 +55,9 @@ EVENTS: dict[str, str] = {
     "on_ddp_forward": "(ddp): a DistributedDataParallel forward pass (probe ddp)",
     "on_ddp_armed": "(reducer): DDP's reducer was prepared for a backward: one all-reduce round armed",
     "on_run_end": "(): the run stops, its probes still installed (read probe state here, not in result())",
+    "on_data_parallel_used": "(module, function, stack): a torch.nn.DataParallel (subclass) driven through another "
+    "method than DataParallel.forward (mmcv's train_step): its .module read there (stack: a callable)",
+    "on_data_parallel_created": "(module): a torch.nn.DataParallel (subclass) was built while watched",
 }
 
 

@@ -169,3 +169,67 @@ def test_under_xdist_only_watched_tests_get_the_thread_setting(pytester: pytest.
     seen = {p.read_text() for p in pytester.path.glob("unmarked-*.txt")}
     assert seen == unwatched, (seen, unwatched)
     assert {p.read_text() for p in pytester.path.glob("marked-*.txt")} == {"1"}
+
+
+# -- 4. wrappers not called through forward --------------------------------------------------------
+
+MM_DATA_PARALLEL = """
+import pytest
+import torch
+from torch.nn.parallel import DataParallel
+
+class MMDataParallel(DataParallel):
+    '''mmcv's wrapper (mmcv/parallel/data_parallel.py): the runner calls train_step, never forward.'''
+
+    def __init__(self, *args, dim=0, **kwargs):
+        super().__init__(*args, dim=dim, **kwargs)
+        self.dim = dim
+
+    def scatter(self, inputs, kwargs, device_ids):
+        return (inputs,), (kwargs,)
+
+    def train_step(self, *inputs, **kwargs):
+        if not self.device_ids:
+            inputs, kwargs = self.scatter(inputs, kwargs, [-1])
+            return self.module.train_step(*inputs[0], **kwargs[0])
+        inputs, kwargs = self.scatter(inputs, kwargs, self.device_ids)
+        return self.module.train_step(*inputs[0], **kwargs[0])
+
+class Detector(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def train_step(self, data, optimizer):
+        loss = self.net(data).pow(2).mean()
+        return {"loss": loss}
+
+@pytest.fixture
+def model():
+    return MMDataParallel(Detector(), device_ids=None)
+
+def test_built_outside(torchperf, model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torchperf.watch() as run:
+        for _ in range(3):
+            with run.step():
+                out = model.train_step(torch.ones(2, 4), opt)
+                out["loss"].backward()
+                opt.step()
+
+@pytest.mark.torchperf
+def test_built_inside():
+    model = MMDataParallel(Detector(), device_ids=None)
+    model.net_copy = None
+"""
+
+
+def test_a_data_parallel_subclass_driven_through_train_step_is_reported(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_mm=MM_DATA_PARALLEL)
+    result = pytester.runpytest("-p", "no:warnings")
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    assert "no DataParallel in the run" not in out, out
+    assert "MMDataParallel(Detector) was driven through MMDataParallel.train_step (3 calls)" in out, out
+    assert "MMDataParallel is a torch.nn.DataParallel subclass" in out, out
+    assert "MMDataParallel(Detector) was built in the run" in out, out
