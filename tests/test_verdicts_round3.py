@@ -233,3 +233,73 @@ def test_a_data_parallel_subclass_driven_through_train_step_is_reported(pytester
     assert "MMDataParallel(Detector) was driven through MMDataParallel.train_step (3 calls)" in out, out
     assert "MMDataParallel is a torch.nn.DataParallel subclass" in out, out
     assert "MMDataParallel(Detector) was built in the run" in out, out
+
+
+# -- 3. a graph kept alive outside the loss --------------------------------------------------------
+
+AUX_HEAD = """
+import pytest
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(16, 1)
+        self.probe_head = torch.nn.Linear(16, 3)  # not part of the loss: an epoch-end metric only
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return self.head(h), self.probe_head(h.detach())
+
+class Loop:
+    def __init__(self):
+        self.metric_inputs = []
+        self.periodic = []
+
+    def run(self, steps, periodic=False):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        window = []
+        with pytest.torchperf_watch(no_graph_retention=True) as run:
+            for i in range(steps):
+                with run.step():
+                    out, probs = model(torch.randn(4, 8))
+                    loss = torch.nn.functional.mse_loss(out, torch.zeros(4, 1))
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    self.metric_inputs.append(probs.softmax(-1))  # predictions kept for the epoch's end
+                    if periodic:
+                        window.append(out)
+                        if len(window) == 4:
+                            self.periodic.append(torch.stack(window).sum(0))  # spans 4 steps, added every 4th
+                            window = []
+
+def test_aux_head(torchperf):
+    pytest.torchperf_watch = torchperf.watch
+    Loop().run(8)
+
+def test_two_holders(torchperf):
+    pytest.torchperf_watch = torchperf.watch
+    Loop().run(12, periodic=True)
+"""
+
+
+def test_predictions_of_a_head_outside_the_loss_kept_in_a_list_fail(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_aux=AUX_HEAD)
+    result = pytester.runpytest("-p", "no:warnings", "-k", "aux_head")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "no_graph_retention (graphs of" in out and "kept by Loop.metric_inputs" in out, out
+    assert "Loop.metric_inputs: list of 7 tensors with autograd graphs, one per step (steps 1-7)" in out, out
+
+
+def test_the_holder_that_grew_every_step_is_named_first(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_aux=AUX_HEAD)
+    result = pytester.runpytest("-p", "no:warnings", "-k", "two_holders")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "kept by Loop.metric_inputs (+" in out, out
+    assert out.index("Loop.metric_inputs: list of") < out.index("Loop.periodic: list of"), out
