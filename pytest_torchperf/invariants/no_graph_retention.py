@@ -239,13 +239,15 @@ class GraphRetentionCheck(Check):
             GRAPHS.arm_forward(self._tag_output)
             self._outputs_armed = True
 
-    def _sentinel(self, step: int) -> _Sentinel:
-        """The sentinel of ``step`` (made, and the step made pending, at its first tag)."""
+    def _sentinel(self, step: int, before_backward: bool = False) -> _Sentinel:
+        """The sentinel of ``step`` (made, and the step made pending, at its first tag). ``before_backward``:
+        tagged in the forward pass, so the step's own backward pass is still to come."""
         last = self.pending[-1] if self.pending else None
         sentinel = last.ref() if last is not None and last.step == step else None
         if sentinel is None:
             sentinel = _Sentinel()
-            self.pending.append(_Tagged(step, weakref.ref(sentinel), GRAPHS.optimizer_steps, GRAPHS.calls))
+            calls = GRAPHS.calls + (1 if before_backward else 0)
+            self.pending.append(_Tagged(step, weakref.ref(sentinel), GRAPHS.optimizer_steps, calls))
             GRAPHS.await_optimizer_step()
             self.tagged_steps += 1
             if len(self.pending) > MAX_PENDING:
@@ -267,7 +269,7 @@ class GraphRetentionCheck(Check):
                 continue
             metadata = node.metadata
             if self.key not in metadata:
-                metadata[self.key] = self._sentinel(step)
+                metadata[self.key] = self._sentinel(step, before_backward=True)
                 self.outputs_tagged += 1
 
     def _step_started(self, step: int) -> None:
