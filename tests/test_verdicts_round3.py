@@ -303,3 +303,40 @@ def test_the_holder_that_grew_every_step_is_named_first(pytester: pytest.Pyteste
     out = result.stdout.str()
     assert "kept by Loop.metric_inputs (+" in out, out
     assert out.index("Loop.metric_inputs: list of") < out.index("Loop.periodic: list of"), out
+
+
+# -- 6. messages a newcomer can act on -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(0.5, 0.5), ("50%", 0.5), ("150%", 1.5), (1.0, 1.0)],
+)
+def test_max_overhead_is_a_fraction_or_a_percentage_written_out(value: object, expected: float) -> None:
+    from pytest_torchperf import parse_options
+
+    assert parse_options({"max_overhead": value}).max_overhead == expected
+
+
+def test_a_percentage_given_as_a_fraction_is_refused_with_did_you_mean(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_typo="""
+        import pytest
+
+        @pytest.mark.torchperf(max_overhead=50)
+        def test_overhead():
+            pass
+
+        @pytest.mark.torchperf(max_copy_rate=20)
+        def test_rate():
+            pass
+        """
+    )
+    result = pytester.runpytest("-p", "no:warnings")
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines([
+        "*max_overhead=50 would allow 5000% overhead; a fraction, not a percentage: did you mean max_overhead=0.50 "
+        "(50%)? (an allowance above 100% is written as a percentage: max_overhead=\"5000%\")*",
+        "*max_copy_rate must be a number from 0 to 1*got 20 (int): a fraction, not a percentage: did you mean "
+        "max_copy_rate=0.20 (20%)?*",
+    ])
