@@ -340,3 +340,83 @@ def test_a_percentage_given_as_a_fraction_is_refused_with_did_you_mean(pytester:
         "*max_copy_rate must be a number from 0 to 1*got 20 (int): a fraction, not a percentage: did you mean "
         "max_copy_rate=0.20 (20%)?*",
     ])
+
+
+LIGHTNING_NOTES = """
+import pytest
+import torch
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader, TensorDataset
+
+class TinyRegressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        noise = torch.randn(x.shape).to(self.device)
+        loss = torch.nn.functional.mse_loss(self.net(x + noise), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+@pytest.mark.torchperf
+def test_fit(tmp_path):
+    data = DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 1)), batch_size=8)
+    pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, default_root_dir=str(tmp_path)).fit(TinyRegressor(), data)
+"""
+
+
+def test_lightning_s_own_host_tensors_are_one_line_beside_an_on_device_failure(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_notes=LIGHTNING_NOTES)
+    short = pytester.runpytest("-p", "no:warnings")
+    short.assert_outcomes(failed=1)
+    out = short.stdout.str()
+    assert "not by your code (the training framework's own code)" not in out, out
+    short.stdout.fnmatch_lines([
+        "*note: * more from pytorch_lightning's own code (result.py:*), not from yours: notes, not failures "
+        "(-v shows them)*",
+    ])
+    verbose = pytester.runpytest("-p", "no:warnings", "-v").stdout.str()
+    assert "made by pytorch_lightning, not by your code" in verbose, verbose
+
+
+def test_a_lightning_hook_the_user_never_wrote_is_not_named_after_the_user_s_class() -> None:
+    from pytest_torchperf.overhead.attribution import _module_hook_label
+
+    class TinyRegressor(pl.LightningModule):
+        def on_train_batch_end(self, *args: object) -> None:
+            pass
+
+    module = TinyRegressor()
+    assert _module_hook_label(module, "on_train_batch_end") == "TinyRegressor.on_train_batch_end (LightningModule hook)"
+    label = _module_hook_label(module, "configure_gradient_clipping")
+    assert not label.startswith("TinyRegressor."), label
+    assert label == (
+        "LightningModule.configure_gradient_clipping (Lightning's own hook: TinyRegressor does not override it)"
+    )
+
+
+def test_the_no_host_sync_hint_says_each_thing_once(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_item="""
+        import torch
+
+        def test_loop(torchperf):
+            model = torch.nn.Linear(4, 1)
+            with torchperf.watch() as run:
+                for _ in range(4):
+                    with run.step():
+                        loss = model(torch.ones(2, 4)).sum()
+                        seen = loss.item()
+        """
+    )
+    result = pytester.runpytest("-p", "no:warnings")
+    result.assert_outcomes(failed=1)
+    (hint,) = [line for line in result.stdout.lines if "hint:" in line and ".item()" in line]
+    assert hint.count("every N steps or at epoch end") == 1, hint
+    assert "(that periodic sync is a note, not a failure, at max_sync_rate=0.1)" in hint, hint

@@ -315,7 +315,12 @@ class DevicePlacementCheck(Check):
         elif copy.creation is not None and classify.rule_matters(copy.creation.filename):
             facts.append(f"counted as your code: {classify.rule(copy.creation.filename)}")
         hint = copy.hint if copy.judged and not copy.fresh_input else ""
-        return Finding(title, facts, sites, hint)
+        finding = Finding(title, facts, sites, hint)
+        if not copy.by_user and not copy.allowed_by:
+            where = copy.creation or copy.mover
+            short = f"{where.filename.rsplit('/', 1)[-1]}:{where.lineno}"
+            finding.framework_note = (owner_label(where), short, copy.count)
+        return finding
 
     def result(self) -> CheckResult:
         run = self.run

@@ -153,9 +153,10 @@ class ParityResult:
         est = self.estimate
         lines = [self.candidate.describe(), self.baseline.describe()]
         over = (
-            f"overhead {fmt_pct(self.overhead)} (geometric mean of {self.rounds} paired rounds, balanced over their "
-            f"order: {self.candidate.name}-first rounds measured {fmt_pct(est.order_effect)} against the others), "
-            f"95% interval {fmt_pct(lo)}..{fmt_pct(hi)}"
+            f"overhead {fmt_pct(self.overhead)} (the geometric mean of {self.rounds} rounds, each timing the "
+            f"{self.candidate.name} and the {self.baseline.name} once, in alternating order; when the "
+            f"{self.candidate.name} ran first it measured {fmt_pct(est.order_effect)} against the rounds where it ran "
+            f"second, which alternating cancels out), 95% interval {fmt_pct(lo)}..{fmt_pct(hi)}"
         )
         if self.max_overhead is not None:
             threshold = f"the threshold {self.max_overhead:.0%}"
