@@ -164,7 +164,7 @@ def test_a_batch_built_from_new_numpy_arrays_each_step_is_input_data_and_a_const
     report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(4), False)
     check = report["on_device"]
     assert check.status == "passed", check.render(False)
-    assert check.summary.endswith("4 copies of input data built from numpy arrays (noted)"), check.summary
+    assert check.summary.endswith("4 copies of input data built by hand (noted)"), check.summary
     (event,) = check.figures["events"]
     assert event["input_data"] is True
     assert "input data (a batch built by hand)" in "\n".join(check.findings[0].facts)

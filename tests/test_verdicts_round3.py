@@ -420,3 +420,89 @@ def test_the_no_host_sync_hint_says_each_thing_once(pytester: pytest.Pytester) -
     (hint,) = [line for line in result.stdout.lines if "hint:" in line and ".item()" in line]
     assert hint.count("every N steps or at epoch end") == 1, hint
     assert "(that periodic sync is a note, not a failure, at max_sync_rate=0.1)" in hint, hint
+
+
+# -- 2. one policy for input batches ---------------------------------------------------------------
+
+BATCHES = """
+import numpy as np
+import pytest
+import torch
+
+DEV = torch.device("cpu")
+CONSTANT = [[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]]
+
+def replay_batches(spell):
+    rng = np.random.default_rng(0)
+    model = torch.nn.Linear(4, 1)
+    with pytest.torchperf_watch() as run:
+        for _ in range(4):
+            with run.step():
+                obs = rng.standard_normal((2, 4)).astype(np.float32)  # a fresh sample every step
+                x = spell(obs)
+                model(x).sum().backward()
+
+def copy_twice(obs):
+    return torch.tensor(obs).to(DEV)  # TWICE
+
+def legacy(obs):
+    next_obs = obs
+    return torch.Tensor(next_obs).to(DEV)  # LEGACY
+
+def test_tensor_of_an_array_then_to(torchperf):
+    pytest.torchperf_watch = torchperf.watch
+    replay_batches(copy_twice)
+
+def test_legacy_tensor_of_an_array(torchperf):
+    pytest.torchperf_watch = torchperf.watch
+    replay_batches(legacy)
+
+def test_as_tensor_on_the_device(torchperf):
+    pytest.torchperf_watch = torchperf.watch
+    replay_batches(lambda obs: torch.as_tensor(obs, device=DEV))
+
+def test_from_numpy_then_to(torchperf):
+    pytest.torchperf_watch = torchperf.watch
+    replay_batches(lambda obs: torch.from_numpy(obs).to(DEV))
+
+def test_list_of_lists(torchperf):
+    pytest.torchperf_watch = torchperf.watch
+    replay_batches(lambda obs: torch.tensor(obs.tolist()).to(DEV))
+
+def test_legacy_tensor_of_a_list(torchperf):
+    pytest.torchperf_watch = torchperf.watch
+    def spell(obs):
+        rows = obs.tolist()
+        return torch.Tensor(rows).to(DEV)
+    replay_batches(spell)
+
+def test_constant_rebuilt_every_step(torchperf):
+    pytest.torchperf_watch = torchperf.watch
+    replay_batches(lambda obs: torch.tensor(CONSTANT).to(DEV))
+"""
+
+
+def test_input_batches_one_policy_for_every_spelling(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_batches=BATCHES)
+    result = pytester.runpytest("-p", "no:warnings", "-rA")
+    outcomes = {
+        line.split(" ")[1].split("::")[1]: line.split(" ")[0]
+        for line in result.stdout.lines
+        if line.startswith(("PASSED test_batches.py", "FAILED test_batches.py"))
+    }
+    assert outcomes == {
+        "test_tensor_of_an_array_then_to": "FAILED",  # an avoidable host copy
+        "test_legacy_tensor_of_an_array": "FAILED",  # CleanRL's torch.Tensor(next_obs).to(device)
+        "test_as_tensor_on_the_device": "PASSED",  # the fix: fresh input data moved once
+        "test_from_numpy_then_to": "PASSED",
+        "test_list_of_lists": "PASSED",  # input data, not a constant
+        "test_legacy_tensor_of_a_list": "PASSED",  # not silent: a note
+        "test_constant_rebuilt_every_step": "FAILED",  # build it once
+    }, result.stdout.str()
+    out = result.stdout.str()
+    assert "torch.tensor(<numpy array>) copies the array on the host, then .to(...) copies it again" in out, out
+    assert "hint: copy it once: `torch.as_tensor(obs, device=DEV)`" in out, out
+    assert "hint: copy it once: `torch.as_tensor(next_obs, dtype=torch.float32, device=DEV)`" in out, out
+    assert "hint: the values are the same every step: build it once before the loop" in out, out
+    assert "compute them on the device" not in out, out
+    assert out.count("input data built by hand (noted)") == 4, out

@@ -24,9 +24,10 @@ torch appears during the watch (torch's own host tensors, such as an
 optimizer's step counters, are not followed): a run whose code builds none pays
 nothing for them. Once installed, each costs a call and a dictionary check on
 top of the operation; measured in ``benchmarks/bench_step_checks.py``.
-Everything else (reductions, ``matmul``, ``torch.where(c, a, b)``, indexing
-with tensors, ``repeat``, ``flip``, operations of a subclass with its own
-``__torch_function__``) is not followed: its result counts as a device tensor.
+Every other operation (``pow``, ``exp``, ``sin``, ``einsum``, ``matmul``,
+reductions, ``where``...) is followed by :mod:`._follow`, installed at the
+same moment; indexing with tensors and operations of a subclass with its own
+``__torch_function__`` are not: their results count as device tensors.
 
 The legacy constructors (``torch.Tensor(2, 3).fill_(v)``, ``torch.FloatTensor(n)``)
 are classes: patching them would change ``torch.Tensor`` itself. They return
