@@ -42,6 +42,7 @@ __all__ = [
     "scan",
     "sequence_now",
     "tag_graph",
+    "tensors_of",
 ]
 
 #: The sequence number of nodes outside any sequence (AccumulateGrad, graph roots): never a step's own.
@@ -101,6 +102,23 @@ def tag_graph(roots: Iterable[Any], floor: int, key: str, sentinel: Any, limit: 
             if child is not None:
                 stack.append(child)
     return tagged
+
+
+def tensors_of(output: Any) -> list[Any]:
+    """The tensors of a module's output: a tensor, or inside a tuple, list or dict (two levels)."""
+    import torch
+
+    found: list[Any] = []
+    stack: list[tuple[Any, int]] = [(output, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif depth < 2 and isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)
+        elif depth < 2 and isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+    return found
 
 
 # -- scanning the live graphs ---------------------------------------------------------------

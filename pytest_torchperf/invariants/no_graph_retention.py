@@ -72,7 +72,7 @@ from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Stack
 from ..text import plural
-from ._graphs import NO_SEQUENCE, Scan, find_holders, frame_locals, scan, sequence_now, tag_graph
+from ._graphs import NO_SEQUENCE, Scan, find_holders, frame_locals, scan, sequence_now, tag_graph, tensors_of
 from ._memory import MemoryTrace, format_bytes
 
 if TYPE_CHECKING:
@@ -260,7 +260,7 @@ class GraphRetentionCheck(Check):
         if not step:
             return
         floor = self.starts[step - 1]
-        for tensor in _tensors_of(output):
+        for tensor in tensors_of(output):
             node = tensor.grad_fn
             if node is None:
                 continue
@@ -567,23 +567,6 @@ def _hint(group: Group) -> str:
             "torchmetrics metric each step instead of collecting tensors for the epoch's end (it detaches)."
         )
     return _HINT
-
-
-def _tensors_of(output: Any) -> list[Any]:
-    """The tensors of a module's output: a tensor, or inside a tuple, list or dict (two levels)."""
-    import torch
-
-    found: list[Any] = []
-    stack: list[tuple[Any, int]] = [(output, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif depth < 2 and isinstance(value, (list, tuple)):
-            stack.extend((v, depth + 1) for v in value)
-        elif depth < 2 and isinstance(value, dict):
-            stack.extend((v, depth + 1) for v in value.values())
-    return found
 
 
 def _spread(indices: list[int], k: int) -> list[int]:
