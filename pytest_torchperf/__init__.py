@@ -23,6 +23,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from . import clocks  # noqa: F401 - first: the clock functions are bound before any test can patch them
 from ._version import __version__
 
 if TYPE_CHECKING:  # what the names below are; at run time each module loads on first use

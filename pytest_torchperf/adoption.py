@@ -22,6 +22,7 @@ import pytest
 
 from ._lazy import lazy_module
 from .constants import TRACE_STEPS
+from .text import plural
 
 if TYPE_CHECKING:
     from . import baseline, github, trace
@@ -314,6 +315,7 @@ class _Adoption:
         if self.written:
             tests = self.session.refreshed(self._exists).tests
             entries = sum(len(baseline.merge_observations(e)) for e in tests.values())
-            tr.write_line(f"torchperf baseline: wrote {self.written} ({entries} entries in {len(tests)} tests)")
+            counts = f"{plural(entries, 'entry', 'entries')} in {plural(len(tests), 'test')}"
+            tr.write_line(f"torchperf baseline: wrote {self.written} ({counts})")
         elif self.stale:
             tr.write_line("torchperf baseline: refresh it with --torchperf-baseline-update to drop the stale entries")

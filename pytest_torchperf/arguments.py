@@ -22,6 +22,7 @@ __all__ = [
     "Choice",
     "Flag",
     "Fraction",
+    "Share",
     "Integer",
     "Number",
     "SiteList",
@@ -163,7 +164,10 @@ class Fraction(ArgumentKind):
         if value is None and self.optional:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise self.error(where, name, value, meaning)
+            error = self.error(where, name, value, meaning)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 1 < value <= 100:
+                error = UsageError(f"{error}: {percent_hint(name, value)}")
+            raise error
         return float(value)
 
     def describe(self, meaning: str = "") -> str:
@@ -171,6 +175,49 @@ class Fraction(ArgumentKind):
 
     def schema(self) -> dict[str, Any]:
         return {"type": self.json_type, "minimum": 0, "maximum": 1}
+
+
+def percent_hint(name: str, value: float) -> str:
+    """``did you mean 0.5 (50%)?`` for a percentage given where a fraction is meant."""
+    fraction = f"{value / 100:.2f}" if float(value).is_integer() else f"{value / 100:g}"
+    return f"a fraction, not a percentage: did you mean {name}={fraction} ({value:g}%)?"
+
+
+_PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*$")
+
+
+@dataclass(frozen=True)
+class Share(Number):
+    """A fraction greater than ``above`` (``0.10`` means 10%), or the same written as a percentage
+    (``"10%"``, ``"150%"``). A bare number above 1 is refused with "did you mean": ``max_overhead=50`` is far more
+    likely 50% than 5000%; an allowance above 100% is written as a percentage."""
+
+    def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:
+        if isinstance(value, str):
+            match = _PERCENT.match(value)
+            if match is None:
+                raise self.error(where, name, value, meaning)
+            value = float(match.group(1)) / 100
+            if value <= self.above:
+                raise UsageError(f"{where}: {name} must be {self._finite()}{self._unit()}, got {value * 100:g}%")
+            return value
+        out = super().validate(value, where, name, meaning)
+        if out is not None and out > 1:
+            raise UsageError(
+                f"{where}: {name}={value!r} would allow {out * 100:g}% overhead; {percent_hint(name, out)} "
+                f"(an allowance above 100% is written as a percentage: {name}=\"{out * 100:g}%\")"
+            )
+        return out
+
+    def describe(self, meaning: str = "") -> str:
+        return (
+            f"a number > {self.above:g} and at most 1{self._unit()}, or a percentage such as '10%'"
+            f"{_about(meaning)}" + (" or None" if self.optional else "")
+        )
+
+    def schema(self) -> dict[str, Any]:
+        types = ["number", "string", "null"] if self.optional else ["number", "string"]
+        return {"type": types, "exclusiveMinimum": self.above, "pattern": r"^[0-9.]+%$"}
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from . import adoption, project, unchecked
 from ._lazy import lazy_module
 from .constants import OVERHEAD_ROUNDS
 from .errors import UsageError
-from .settings import Settings, add_options, apply_threads, resolve_settings, session_defaults
+from .settings import Settings, Threads, add_options, apply_threads, resolve_settings, session_defaults
 from .text import plural
 
 if TYPE_CHECKING:
@@ -54,6 +54,8 @@ _RUNS = pytest.StashKey["list[tuple[str, Any]]"]()  # (source, a Run or a _Compa
 _SETTINGS = pytest.StashKey["Settings"]()
 _SKIPPED = pytest.StashKey[bool]()  # the test was skipped for an inconclusive verdict
 _PROJECT = pytest.StashKey[bool]()  # the project's packages are known to the frame classifier
+_THREADS = pytest.StashKey[Optional[int]]()  # the torch thread count of watched tests (None: left alone)
+_APPLIED = pytest.StashKey[Threads]()  # the thread setting applied around this watched test
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -89,7 +91,7 @@ def pytest_configure(config: pytest.Config) -> None:
         controller = _XdistController()
         config.pluginmanager.register(controller, "torchperf-xdist")
         config.add_cleanup(controller.close)
-    apply_threads(config, settings)
+    config.stash[_THREADS] = apply_threads(config, settings)
     adoption.configure(config, settings, _is_watched)
     config.pluginmanager.register(_Recorder(config, settings), "torchperf-recorder")
 
@@ -169,9 +171,29 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         error = str(exc)
     else:
         item.stash[_OPTIONS] = options
+        _apply_threads(item)
         return
     prefix = "" if error.startswith("pytest-torchperf: ") else "pytest-torchperf: "
     pytest.fail(f"{prefix}{error}", pytrace=False)
+
+
+def _apply_threads(item: pytest.Item) -> None:
+    """The thread setting, around watched tests only (restored in teardown): unmarked ones see the default."""
+    threads = item.config.stash.get(_THREADS, None)
+    if threads is None or not _is_watched(item) or not _torch_installed():
+        return
+    applied = item.stash[_APPLIED] = Threads(threads)
+    applied.apply()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, Any, Any]:
+    try:
+        return (yield)
+    finally:
+        applied = item.stash.get(_APPLIED, None)
+        if applied is not None:
+            applied.restore()
 
 
 def _is_watched(item: pytest.Item) -> bool:

@@ -89,6 +89,9 @@ class Finding:
     facts: list[str] = field(default_factory=list)
     sites: list[Site] = field(default_factory=list)
     hint: str = ""
+    #: A note about a framework's own code (``(owner, site, count)``: ``("pytorch_lightning", "result.py:199", 1)``):
+    #: beside a failure, such notes are summarised in one line unless verbose (see :meth:`CheckResult.render`).
+    framework_note: Optional[tuple[str, str, int]] = None
 
     def render(self, verbose: bool) -> list[str]:
         lines = [self.title]
@@ -132,13 +135,28 @@ class CheckResult:
 
     def render(self, verbose: bool) -> list[str]:
         lines: list[str] = []
-        shown = self.findings if verbose else self.findings[:MAX_FINDINGS]
+        findings = self.findings
+        notes: list[tuple[str, str, int]] = []
+        if not verbose and any(f.framework_note is None for f in findings):
+            # Beside a failure of your code, the framework's own notes are one line (-v shows them).
+            notes = [f.framework_note for f in findings if f.framework_note is not None]
+            findings = [f for f in findings if f.framework_note is None]
+        shown = findings if verbose else findings[:MAX_FINDINGS]
         for i, finding in enumerate(shown):
             if i:
                 lines.append("")
             lines.extend(finding.render(verbose))
-        if len(shown) < len(self.findings):
-            lines.append(f"... {len(self.findings) - len(shown)} more findings (-v shows all)")
+        if len(shown) < len(findings):
+            lines.append(f"... {len(findings) - len(shown)} more findings (-v shows all)")
+        if notes:
+            owners = sorted({owner for owner, _, _ in notes})
+            sites = ", ".join(dict.fromkeys(site for _, site, _ in notes))
+            count = sum(n for _, _, n in notes)
+            lines.append("")
+            lines.append(
+                f"note: {count} more from {' and '.join(owners)}'s own code ({sites}), not from yours: "
+                "notes, not failures (-v shows them)"
+            )
         return lines
 
     def to_dict(self) -> dict[str, Any]:

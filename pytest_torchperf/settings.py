@@ -21,7 +21,7 @@ from . import adoption, project
 from .constants import OVERHEAD_INCONCLUSIVE, SCOPES
 from .errors import UsageError, suggest
 
-__all__ = ["Settings", "add_options", "apply_threads", "resolve_settings", "session_defaults"]
+__all__ = ["Settings", "Threads", "add_options", "apply_threads", "resolve_settings", "session_defaults"]
 
 @dataclass(frozen=True)
 class Settings:
@@ -218,24 +218,51 @@ def resolve_settings(config: pytest.Config) -> Settings:
     )
 
 
-def apply_threads(config: pytest.Config, settings: Settings) -> None:
-    """Keep xdist workers from oversubscribing the cores (or pin the count the user asked for)."""
+def apply_threads(config: pytest.Config, settings: Settings) -> Optional[int]:
+    """The torch CPU thread count watched tests run with (None: leave it): under xdist, "auto" keeps the
+    workers from oversubscribing the cores; a number pins it. Nothing is set here: :class:`Threads` applies it
+    around each watched test only, so an unmarked test sees what it would see without the plugin."""
     workerinput = getattr(config, "workerinput", None)
     if settings.threads == "off":
-        return
+        return None
     if settings.threads == "auto":
         if workerinput is None or os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
-            return
+            return None
         workers = int(workerinput.get("workercount", 1) or 1)
-        threads = max(1, (os.cpu_count() or 1) // workers)
-    else:
-        threads = int(settings.threads)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(threads)
-    else:  # read by torch when it is imported; never import it here
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        return max(1, (os.cpu_count() or 1) // workers)
+    return int(settings.threads)
 
+
+class Threads:
+    """The thread setting of one watched test: applied before it, put back after it."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._torch: Optional[int] = None
+        self._env: Optional[str] = None
+        self._applied = False
+
+    def apply(self) -> None:
+        import torch  # a watched test needs torch anyway
+
+        self._env = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(self.threads)  # for the processes the test starts
+        self._torch = torch.get_num_threads()
+        if self._torch != self.threads:
+            torch.set_num_threads(self.threads)
+        self._applied = True
+
+    def restore(self) -> None:
+        if not self._applied:
+            return
+        self._applied = False
+        if self._env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = self._env
+        torch = sys.modules.get("torch")
+        if torch is not None and self._torch is not None and torch.get_num_threads() != self._torch:
+            torch.set_num_threads(self._torch)
 
 
 def session_defaults(settings: Settings) -> dict[str, Any]:

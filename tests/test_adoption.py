@@ -55,7 +55,7 @@ def test_update_writes_the_findings_then_known_ones_pass_with_their_report(pytes
     _suite(pytester)
     update = pytester.runpytest("--torchperf-baseline=baseline.json", "--torchperf-baseline-update")
     update.assert_outcomes(passed=2, failed=1)  # findings do not fail; the test's own error still does
-    update.stdout.fnmatch_lines(["*torchperf baseline: wrote *baseline.json (1 entries in 1 tests)"])
+    update.stdout.fnmatch_lines(["*torchperf baseline: wrote *baseline.json (1 entry in 1 test)"])
     assert _entries(pytester.path / "baseline.json") == {
         "test_suite.py::test_sync": [
             {
@@ -338,10 +338,12 @@ def test_a_test_running_its_own_profiler_is_left_alone(pytester: pytest.Pytester
         import torch
         from torch.profiler import profile
 
+        LAYER = torch.nn.Linear(2, 1)
+
         def sync_steps(run):
             for _ in range(2):
                 with run.step():
-                    torch.ones(2).sum().item()
+                    LAYER(torch.ones(1, 2)).sum().item()  # a device tensor's value (host math would not sync)
 
         def test_profiles_inside(torchperf):
             with torchperf.watch() as run:

@@ -164,7 +164,7 @@ def test_a_batch_built_from_new_numpy_arrays_each_step_is_input_data_and_a_const
     report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(4), False)
     check = report["on_device"]
     assert check.status == "passed", check.render(False)
-    assert check.summary.endswith("4 copies of input data built from numpy arrays (noted)"), check.summary
+    assert check.summary.endswith("4 copies of input data built by hand (noted)"), check.summary
     (event,) = check.figures["events"]
     assert event["input_data"] is True
     assert "input data (a batch built by hand)" in "\n".join(check.findings[0].facts)
@@ -186,6 +186,8 @@ def test_a_batch_built_from_new_numpy_arrays_each_step_is_input_data_and_a_const
         ("t = torch.stack([torch.zeros(2), torch.zeros(2)]).tril().to(dev)", ["stack", "tril"]),
         ("t = torch.ones(4).detach().clone().to(dev)", ["detach", "clone"]),
         ("t = (torch.ones(4) > 0) & (torch.zeros(4) < 1); t = t.to(dev)", [">", "&"]),
+        ("t = (torch.ones(4) @ torch.ones(4, 4)).to(dev)", ["@"]),  # every operation is followed
+        ("t = torch.ones(4).sum().to(dev)", ["sum"]),
     ],
 )
 def test_numbers_and_host_tensors_keep_the_provenance(tmp_path: Path, line: str, path: list[str]) -> None:
@@ -201,8 +203,8 @@ def test_numbers_and_host_tensors_keep_the_provenance(tmp_path: Path, line: str,
     [
         "t = (torch.ones(4, 1) * out).to(dev)",  # a device tensor in the operation: the result is on the device
         "t = torch.cat([torch.zeros(4, 1), out]).to(dev)",
-        "t = (torch.ones(4) @ torch.ones(4, 4)).to(dev)",  # not followed: counts as a device tensor
-        "t = torch.ones(4).sum().to(dev)",
+        "t = (out @ torch.ones(1, 4)).to(dev)",  # a device tensor in any operation: the result is on the device
+        "t = torch.einsum('ij,jk->ik', out, torch.ones(1, 4)).to(dev)",
     ],
 )
 def test_results_that_are_not_host_tensors_are_not_blamed(tmp_path: Path, line: str) -> None:

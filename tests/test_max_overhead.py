@@ -795,7 +795,7 @@ def test_slow_hook_fails_at_30_percent_and_is_named_in_the_report(heavy: pytest.
             "*torchperf: 1 invariant broken: max_overhead (+*% over vanilla loop (95% CI *) > 30%)*",
             "*Trainer.fit(SlowHookModule): a Lightning epoch took * against * for the vanilla loop derived "
             "from SlowHookModule: +*%, more than max_overhead=30%",
-            "*overhead +*% (geometric mean of * paired rounds*), 95% interval *: entirely above the threshold 30%",
+            "*overhead +*% (the geometric mean of * rounds*), 95% interval *: entirely above the threshold 30%",
             "*Trainer.fit(SlowHookModule) called at test_slow_hook_fails_at_30_percent_and_is_named_in_the_report.py:6*",
             "where the extra * per batch went (8 batches per epoch*",
             "* per batch  SlowHookModule.on_train_batch_end (LightningModule hook)",

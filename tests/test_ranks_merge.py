@@ -156,7 +156,7 @@ def test_only_a_rank_that_reruns_its_launcher_leaves_the_verdict_to_it(
     def body() -> Report:
         with watch() as run:
             with run.step():
-                torch.ones(2).sum().item()
+                torch.nn.Linear(2, 1)(torch.ones(1, 2)).sum().item()  # a device value (host math does not sync)
         assert run.report is not None
         return run.report
 

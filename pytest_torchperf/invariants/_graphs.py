@@ -24,11 +24,11 @@ import bisect
 import gc
 import re
 import sys
-import time
 from dataclasses import dataclass, field
 from types import FrameType, ModuleType
 from typing import Any, Callable, Iterable, Optional
 
+from ..clocks import perf_counter
 from ..frames import kind_of
 from ..stacks import TORCHPERF, USER, Frame, Stack
 
@@ -42,6 +42,7 @@ __all__ = [
     "scan",
     "sequence_now",
     "tag_graph",
+    "tensors_of",
 ]
 
 #: The sequence number of nodes outside any sequence (AccumulateGrad, graph roots): never a step's own.
@@ -101,6 +102,23 @@ def tag_graph(roots: Iterable[Any], floor: int, key: str, sentinel: Any, limit: 
             if child is not None:
                 stack.append(child)
     return tagged
+
+
+def tensors_of(output: Any) -> list[Any]:
+    """The tensors of a module's output: a tensor, or inside a tuple, list or dict (two levels)."""
+    import torch
+
+    found: list[Any] = []
+    stack: list[tuple[Any, int]] = [(output, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif depth < 2 and isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)
+        elif depth < 2 and isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+    return found
 
 
 # -- scanning the live graphs ---------------------------------------------------------------
@@ -251,7 +269,7 @@ def scan(
     """
     import torch
 
-    begin = time.perf_counter()
+    begin = perf_counter()
     result = Scan(at_step)
     date = _Dater(list(starts))
     tensors = live_graph_tensors()
@@ -318,7 +336,7 @@ def scan(
             if result.truncated:
                 break
     result.nodes_visited = visited_total
-    result.seconds = time.perf_counter() - begin
+    result.seconds = perf_counter() - begin
     del keep, tensors
     return result
 

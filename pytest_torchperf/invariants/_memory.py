@@ -17,9 +17,10 @@ per step), so CPU runs are not measured.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+from ..clocks import perf_counter
 
 __all__ = ["Growth", "MemoryTrace", "WARMUP_STEPS", "format_bytes"]
 
@@ -107,7 +108,7 @@ class MemoryTrace:
 
     def sample(self, step: int) -> None:
         """Read the allocated bytes at the end of ``step`` (when CUDA is in use and a read is due)."""
-        now = time.perf_counter()
+        now = perf_counter()
         if now < self._next_due and step > WARMUP_STEPS + 3:
             self.skipped += 1
             return
@@ -118,7 +119,7 @@ class MemoryTrace:
                 self._next_due = now + 0.05  # CUDA not initialised yet: look again a little later
                 return
         value = read()
-        end = time.perf_counter()
+        end = perf_counter()
         self.reads += 1
         self.samples.append((step, value))
         if self.budget is not None:

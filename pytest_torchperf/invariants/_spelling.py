@@ -24,7 +24,7 @@ from ..probes._host import DATA, DATA_FACTORIES, LEGACY
 from ..probes.tensors import Birth, Move
 from ..stacks import Frame
 
-__all__ = ["reassigns", "spell", "CONSTANT_FACTORIES"]
+__all__ = ["one_copy", "reassigns", "spell", "CONSTANT_FACTORIES"]
 
 #: Factories whose values are the same every step: a registered buffer is the better fix.
 CONSTANT_FACTORIES = frozenset(("tensor", "as_tensor", "asarray", "from_numpy", "arange", "linspace", "logspace",
@@ -389,3 +389,28 @@ def _tensors_dtype(event: Move) -> str:
     if event.op in ("type_as", "to") and isinstance(target, _tensor_type()):
         return str(target.dtype).replace("torch.", "")
     return str(event.tensor.dtype).replace("torch.", "")
+
+
+def one_copy(event: Move, mover: Frame) -> str:
+    """The one-copy spelling of an array copied on the host on the way to the device (``torch.tensor(a).to(dev)``,
+    CleanRL's ``torch.Tensor(obs).to(dev)``): ``torch.as_tensor(a, device=dev)``."""
+    birth = event.birth
+    if birth is None:
+        return ""
+    target, is_tensor = _target_text(event, mover)
+    device = f"{target}.device" if is_tensor else target
+    found = _factory_call(birth)
+    array = "array"
+    dtype = _LEGACY_DTYPES.get(birth.factory, "float32" if birth.factory == "Tensor" else "")
+    if found is not None:
+        call = found[3]
+        array = (_segment(found[4], call.args[0]) if call.args else None) or array
+        written = _keyword(found[4], call, "dtype")
+        if written:
+            dtype = written.replace("torch.", "")
+    typed = f", dtype=torch.{dtype}" if dtype else ""
+    return (
+        f"copy it once: `torch.as_tensor({array}{typed}, device={device})` builds it from the array without a host "
+        f"copy first; on CUDA, `torch.from_numpy({array}).pin_memory().to({device}, non_blocking=True)` also lets "
+        "the copy overlap"
+    )

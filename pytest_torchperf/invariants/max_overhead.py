@@ -9,7 +9,7 @@ observed ``Trainer.fit`` calls and replays them after the test body, unwatched.
 
 from __future__ import annotations
 
-from ..arguments import Argument, Choice, Integer, Number
+from ..arguments import Argument, Choice, Integer, Share
 from ..options import OVERHEAD_INCONCLUSIVE, OVERHEAD_MAX_ROUNDS, OVERHEAD_MIN_ROUNDS, OVERHEAD_ROUNDS
 from ..overhead.check import OverheadCheck
 from ..registry import Invariant
@@ -20,7 +20,7 @@ INVARIANT = Invariant(
     name=NAME,
     doc="epoch time within this fraction of a vanilla PyTorch loop (e.g. 0.10)",
     check=OverheadCheck,
-    kind=Number(above=0.0, unit="a fraction: 0.10 means 10%"),
+    kind=Share(above=0.0, unit="a fraction: 0.10 means 10%"),
     default=None,
     arguments=(
         Argument(

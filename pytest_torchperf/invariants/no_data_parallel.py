@@ -15,7 +15,9 @@ Seen three ways, so it is caught on a CPU-only machine (where
   counted (a Lightning 1.x ``"dp"`` strategy's wrapper included), with the line
   that called it;
 - ``DataParallel.__init__`` is wrapped: an instance built during the run has
-  its creation site;
+  its creation site, and counts even if it never runs a forward pass;
+- a subclass driven through another method (mmcv's ``MMDataParallel.train_step``)
+  is seen where that method reads the wrapped ``.module``;
 - at each Lightning Trainer call the model's modules are scanned
   (``isinstance``), and the strategy is named when it is Lightning 1.x's
   ``DataParallelStrategy`` / ``DataParallelPlugin``.
@@ -51,8 +53,13 @@ class _Instance:
         self.description = f"{type(module).__name__}({type(inner).__name__})"
         self.device_ids = list(getattr(module, "device_ids", None) or [])
         self.created: Optional[Stack] = PROBE.created.get(module)
+        #: The subclass's name when it is not torch's own DataParallel (``MMDataParallel``).
+        self.subclass = "" if type(module).__module__.startswith("torch.") else type(module).__name__
         self.forwards = 0
         self.first_forward: Optional[Stack] = None
+        #: Methods other than ``DataParallel.forward`` that drove it (``MMDataParallel.train_step``): calls each.
+        self.used_by: dict[str, int] = {}
+        self.first_use: Optional[Stack] = None
         self.in_model: Optional[str] = None  # "submodule 'net' of Regressor" when found in a Trainer's model
 
 
@@ -79,6 +86,15 @@ class DataParallelCheck(Check):
         if rec.first_forward is None:
             rec.first_forward = stack()
 
+    def on_data_parallel_created(self, module: Any) -> None:
+        self._record(module)
+
+    def on_data_parallel_used(self, module: Any, function: str, stack: Callable[[], Stack]) -> None:
+        rec = self._record(module)
+        rec.used_by[function] = rec.used_by.get(function, 0) + 1
+        if rec.first_use is None:
+            rec.first_use = stack()
+
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
         strategy = getattr(trainer, "strategy", None) or getattr(trainer, "training_type_plugin", None)
         name = type(strategy).__name__
@@ -97,9 +113,22 @@ class DataParallelCheck(Check):
 
     # -- verdict ---------------------------------------------------------------------
     def _finding(self, rec: _Instance) -> Finding:
-        ran = f"ran {plural(rec.forwards, 'forward pass')}" if rec.forwards else "is in the model"
-        title = f"torch.nn.{rec.description} {ran}"
+        if rec.forwards:
+            ran = f"ran {plural(rec.forwards, 'forward pass')}"
+        elif rec.used_by:
+            ran = "was driven through " + ", ".join(
+                f"{name} ({plural(n, 'call')})" for name, n in sorted(rec.used_by.items())
+            )
+        elif rec.in_model:
+            ran = "is in the model"
+        else:
+            ran = "was built in the run"
+        title = f"{'' if rec.subclass else 'torch.nn.'}{rec.description} {ran}"
         facts = []
+        if rec.subclass:
+            facts.append(f"{rec.subclass} is a torch.nn.DataParallel subclass")
+        if rec.used_by and rec.forwards:
+            facts.append("also driven through " + ", ".join(sorted(rec.used_by)))
         if rec.in_model:
             facts.append(f"found as {rec.in_model}")
         if rec.device_ids:
@@ -114,6 +143,8 @@ class DataParallelCheck(Check):
             sites.append(Site("created", rec.created))
         if rec.first_forward is not None:
             sites.append(Site("forward called", rec.first_forward, max(rec.forwards, 1)))
+        if rec.first_use is not None:
+            sites.append(Site("wrapped module used", rec.first_use, max(sum(rec.used_by.values()), 1)))
         hint = (
             "use DistributedDataParallel, one process per GPU (Lightning: Trainer(strategy='ddp'); plain "
             "PyTorch: torch.nn.parallel.DistributedDataParallel launched with torchrun), and drop the "
@@ -129,7 +160,8 @@ class DataParallelCheck(Check):
             "forward_calls": forwards,
             "lightning_strategy": self.strategies[0] if self.strategies else None,
             "modules": [
-                {"module": r.description, "forward_calls": r.forwards, "device_ids": r.device_ids}
+                {"module": r.description, "forward_calls": r.forwards, "device_ids": r.device_ids,
+                 **({"used_by": dict(r.used_by)} if r.used_by else {})}
                 for r in instances
             ],
         }
@@ -148,6 +180,9 @@ class DataParallelCheck(Check):
             count = len(instances) or len(self.strategies)
             noun = "module" if count == 1 else "modules"
             summary = f"{count} DataParallel {noun}, {plural(forwards, 'forward pass')}"
+            others = sorted({name for r in instances for name in r.used_by})
+            if others:
+                summary += f", driven through {', '.join(others)}"
             return CheckResult(NAME, FAILED, summary, count, findings, figures)
         return CheckResult(NAME, PASSED, "no DataParallel in the run", 0, [], figures)
 

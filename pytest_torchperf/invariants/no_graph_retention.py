@@ -40,10 +40,17 @@ How it is seen (:mod:`pytest_torchperf.invariants._graphs`):
    closure or a local of a running function). The scan costs tens of
    milliseconds; a clean run never pays it.
 
+In the sampled steps every module's output is tagged too, as it is built (a
+global module forward hook for that step only): an output the loss never reads
+(an auxiliary head, predictions appended to a list for an epoch-end metric,
+even fed from a detached input) shares no node with the backward pass and is
+seen that way. When several holders grow, the one that gained a graph in the
+most steps (every step, for a list appended to each step) is named first.
+
 Blind spots: a graph held only from C++ (a hook, another graph's saved tensor)
-is reported without a holder; a retained output whose graph shares no node with
-any backward pass of the step (an auxiliary head fed from a detached input) and
-a retention that lasts exactly one extra step (``self.last = out``, rebound
+is reported without a holder; a retained tensor that is neither a module's
+output nor part of a backward pass, built from a detached input (``(h.detach()
+* w).sum()`` kept in a list), and a retention that lasts exactly one extra step (``self.last = out``, rebound
 every step) are not seen; graph nodes built on other threads (DataParallel
 replicas, CUDA backward threads under ``create_graph=True``) carry another
 thread's counter and may be dated wrongly in the diagnosis.
@@ -51,12 +58,12 @@ thread's counter and may be dated wrongly in the diagnosis.
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..arguments import Flag
+from ..clocks import perf_counter
 from ..core import Check
 from ..probes import cuda_available
 from ..probes.graphs import PROBE as GRAPHS
@@ -65,7 +72,7 @@ from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Stack
 from ..text import plural
-from ._graphs import Scan, find_holders, frame_locals, scan, sequence_now, tag_graph
+from ._graphs import NO_SEQUENCE, Scan, find_holders, frame_locals, scan, sequence_now, tag_graph, tensors_of
 from ._memory import MemoryTrace, format_bytes
 
 if TYPE_CHECKING:
@@ -123,6 +130,12 @@ class Group:
     @property
     def saved_bytes(self) -> int:
         return sum(self.storages.values())
+
+    @property
+    def grew_in(self) -> int:
+        """The steps in which this holder gained a graph: one per tensor's own step, or, for one graph spanning
+        several steps (a running sum), each step it spans."""
+        return len(self.steps) if self.spanning else len(set(self.own_steps))
 
     @property
     def spanning(self) -> bool:
@@ -208,13 +221,56 @@ class GraphRetentionCheck(Check):
         self.backward_passes = 0
         self.sampled_passes = 0
         self.sample_seconds = 0.0
+        #: Module outputs tagged in sampled steps (an output the loss never reads is only seen this way).
+        self.outputs_tagged = 0
+        self._outputs_armed = False
 
     # -- events -------------------------------------------------------------------------
     def on_step_start(self) -> None:
         # The hot path: one sequence number per step; the rest only while something is pending.
         self.starts.append(self._sequence())
+        if self._outputs_armed:
+            GRAPHS.disarm_forward(self._tag_output)
+            self._outputs_armed = False
         if self.pending or self.first_seen is not None or self.memory is not None:
             self._step_started(len(self.starts))
+        if self.first_seen is None and GRAPHS.due():
+            # A sampled step: its module outputs are tagged too, the ones the loss never reads included.
+            GRAPHS.arm_forward(self._tag_output)
+            self._outputs_armed = True
+
+    def _sentinel(self, step: int, before_backward: bool = False) -> _Sentinel:
+        """The sentinel of ``step`` (made, and the step made pending, at its first tag). ``before_backward``:
+        tagged in the forward pass, so the step's own backward pass is still to come."""
+        last = self.pending[-1] if self.pending else None
+        sentinel = last.ref() if last is not None and last.step == step else None
+        if sentinel is None:
+            sentinel = _Sentinel()
+            calls = GRAPHS.calls + (1 if before_backward else 0)
+            self.pending.append(_Tagged(step, weakref.ref(sentinel), GRAPHS.optimizer_steps, calls))
+            GRAPHS.await_optimizer_step()
+            self.tagged_steps += 1
+            if len(self.pending) > MAX_PENDING:
+                del self.pending[0]
+        return sentinel
+
+    def _tag_output(self, output: Any) -> None:
+        """A module's output in a sampled step: its graph node gets the step's sentinel (see :meth:`on_step_start`)."""
+        step = len(self.starts)
+        if not step:
+            return
+        floor = self.starts[step - 1]
+        for tensor in tensors_of(output):
+            node = tensor.grad_fn
+            if node is None:
+                continue
+            seq = node._sequence_nr()
+            if seq < floor or seq == NO_SEQUENCE:
+                continue
+            metadata = node.metadata
+            if self.key not in metadata:
+                metadata[self.key] = self._sentinel(step, before_backward=True)
+                self.outputs_tagged += 1
 
     def _step_started(self, step: int) -> None:
         if self.traced_step is not None and self.traced_step < step and GRAPHS.tracing:
@@ -229,16 +285,7 @@ class GraphRetentionCheck(Check):
         step = len(self.starts)
         if not step:
             return  # a backward pass before the first step: not a step's graph
-        last = self.pending[-1] if self.pending else None
-        sentinel = last.ref() if last is not None and last.step == step else None
-        if sentinel is None:
-            sentinel = _Sentinel()
-            self.pending.append(_Tagged(step, weakref.ref(sentinel), GRAPHS.optimizer_steps, GRAPHS.calls))
-            GRAPHS.await_optimizer_step()
-            self.tagged_steps += 1
-            if len(self.pending) > MAX_PENDING:
-                del self.pending[0]
-        self.nodes_tagged += tag_graph(roots, self.starts[step - 1], self.key, sentinel)
+        self.nodes_tagged += tag_graph(roots, self.starts[step - 1], self.key, self._sentinel(step))
 
     def on_trainer_call_end(self, kind: str, trainer: Any, model: Any) -> None:
         if kind == "fit":
@@ -246,6 +293,9 @@ class GraphRetentionCheck(Check):
             self._judge(steps - 1, scan_at=steps, final=True)
 
     def on_run_end(self) -> None:
+        if self._outputs_armed:
+            GRAPHS.disarm_forward(self._tag_output)
+            self._outputs_armed = False
         if GRAPHS.tracing:
             GRAPHS.stop_tracing()
         steps = len(self.starts)
@@ -305,11 +355,11 @@ class GraphRetentionCheck(Check):
         # Read the user's locals first: that refreshes the snapshot a frame keeps of them since the last
         # scan read them, which would otherwise still hold that step's tensors.
         locals_index, snapshots = frame_locals(set())
-        begin = time.perf_counter()
+        begin = perf_counter()
         found = scan(self.starts, step, skip_storages, self.traced_step)
         diagnosis = self._diagnose(found, locals_index, snapshots)
         self.scans += 1
-        self.scan_seconds += time.perf_counter() - begin
+        self.scan_seconds += perf_counter() - begin
         if self.diagnosis is None or (diagnosis.groups and diagnosis.weight >= self.diagnosis.weight):
             self.diagnosis = diagnosis
 
@@ -364,7 +414,9 @@ class GraphRetentionCheck(Check):
                 group.trace = item.trace
         holders.clear()
         del targets
-        ordered = sorted(groups.values(), key=lambda g: (-len(g.steps), -g.tensors))
+        # The holder that grew in the most steps first (every step: the leak the run is about), then by the steps
+        # its graphs span and the tensors it holds.
+        ordered = sorted(groups.values(), key=lambda g: (-g.grew_in, -len(g.steps), -g.tensors))
         return Diagnosis(
             found.at_step, ordered, found.graph_tensors, found.nodes_visited, found.truncated, found.seconds
         )
@@ -376,7 +428,7 @@ class GraphRetentionCheck(Check):
         if not steps:
             return CheckResult(NAME, NOT_CHECKED, "no training step was seen", 0, [], figures)
         if self.first_seen is None:
-            if not self.tagged_steps:
+            if not self.tagged_steps or not self.backward_passes:
                 return CheckResult(
                     NAME, NOT_CHECKED, f"no backward pass in the {plural(steps, 'step')} seen", 0, [], figures
                 )
@@ -459,6 +511,7 @@ class GraphRetentionCheck(Check):
             "steps_tracked": self.tagged_steps,
             "steps_judged": len(self.judged),
             "graph_nodes_tagged": self.nodes_tagged,
+            "module_outputs_tagged": self.outputs_tagged,
             "backward_passes": self.backward_passes,
             "backward_passes_sampled": self.sampled_passes,
             "sampling_ms": round(self.sample_seconds * 1e3, 3),

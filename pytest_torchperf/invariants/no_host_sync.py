@@ -51,12 +51,12 @@ NAME = "no_host_sync"
 
 # -- what is caught, and what to do instead -------------------------------------------------
 
-_PERIODIC = "reading it every N steps or at epoch end is a periodic sync: a note, not a failure (max_sync_rate={rate})"
+_PERIODIC = "(that periodic sync is a note, not a failure, at max_sync_rate={rate})"
 
 _HINTS = {
     "value": (
         "keep the value on the device: accumulate it with tensor ops (`total += loss.detach()`) and read "
-        "it with `.item()` only every N steps or at epoch end; " + _PERIODIC
+        "it with `.item()` only every N steps or at epoch end " + _PERIODIC
     ),
     "host": (
         "keep the values on the device and accumulate them with torch ops or a torchmetrics metric; "
@@ -69,7 +69,7 @@ _HINTS = {
     ),
     "print": (
         "printing or formatting a tensor copies it to the host: print only every N steps or at epoch end, "
-        "from a value accumulated on the device; " + _PERIODIC
+        "from a value accumulated on the device " + _PERIODIC
     ),
     "shape": (
         "the output size depends on the values, so the CPU must wait for the GPU to learn it: keep shapes "
@@ -141,11 +141,11 @@ _LIGHTNING_HINTS = {
     "value": (
         "keep the value on the device: pass the tensor itself to `self.log(...)` (Lightning reduces it "
         "without waiting), accumulate with tensor ops, and read it with `.item()` only every N steps or "
-        "at epoch end; " + _PERIODIC
+        "at epoch end " + _PERIODIC
     ),
     "print": (
         "printing or formatting a tensor copies it to the host: log the tensor with `self.log(...)` "
-        "(shown in the progress bar with prog_bar=True), or print only every N steps; " + _PERIODIC
+        "(shown in the progress bar with prog_bar=True), or print only every N steps " + _PERIODIC
     ),
 }
 

@@ -45,7 +45,7 @@ from ..registry import Invariant
 from ..report import CheckResult, Finding, Site
 from ..stacks import TORCH, USER, Frame, Stack, classify
 from ..text import plural
-from ._spelling import reassigns, spell
+from ._spelling import one_copy, reassigns, spell
 from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, extent, frequency, rate, step_verdict
 
 if TYPE_CHECKING:
@@ -58,7 +58,9 @@ CONSTANT = "built once, copied every step"
 COPY = "copied from the host"
 DATA_COPY = "python data copied to the device"
 _OPS = {"to": ".to(...)", "cuda": ".cuda()", "type_as": ".type_as(...)", "copy_": ".copy_(...)", DATA: "device="}
-_OPERATORS = frozenset(("==", "!=", "<", "<=", ">", ">=", "+", "-", "*", "/", "&", "|", "~"))
+#: Python data a device factory can build without any copy (``torch.full((), v, device=dev)``): never input data.
+_CONSTANT_DATA = frozenset(("scalar", "zeros", "ones"))
+_OPERATORS = frozenset(("==", "!=", "<", "<=", ">", ">=", "+", "-", "*", "/", "&", "|", "~", "**", "@", "//", "%", "^"))
 
 
 def made_by(birth: Birth) -> str:
@@ -99,6 +101,7 @@ class _Copy(PerStep):
         self.most_steps = 0
         self.in_lightning = lightning.current_call() is not None
         self.hint = spell(event, mover, self.in_lightning)
+        self.one_copy = one_copy(event, mover) if event.birth is not None and event.birth.copied else ""
         tensor = event.tensor
         self.shape = tuple(tensor.shape)
         self.dtype = str(tensor.dtype).replace("torch.", "")
@@ -108,7 +111,10 @@ class _Copy(PerStep):
         #: The numpy array the first copied tensor was made from (a weak reference), and whether a later one
         #: came from another array: input data built by hand each step (a batch), not a constant.
         self._array: Any = None
+        self._content: Optional[int] = None
         self.fresh_input = False
+        #: The same data (by its fingerprint) moved again: a constant rebuilt every step.
+        self.same_content = False
 
     @property
     def judged(self) -> bool:
@@ -117,8 +123,18 @@ class _Copy(PerStep):
 
     def record(self, event: Move, unit: Optional[int], built_in_step: bool, epoch: int = 0) -> None:
         self.add(unit, epoch)
-        array = event.birth.array if event.birth is not None else None
-        if array is not None:
+        birth = event.birth
+        array = birth.array if birth is not None else None
+        content = birth.content if birth is not None and birth.data not in _CONSTANT_DATA else None
+        if content is not None:
+            # The data itself decides: new values at a move are input data, the same values a constant.
+            if self._content is None:
+                self._content = content
+            elif content != self._content:
+                self.fresh_input = True
+            else:
+                self.same_content = True
+        elif array is not None:
             if self._array is None:
                 self._array = array
             elif self._array() is None or self._array() is not array():
@@ -134,6 +150,28 @@ class _Copy(PerStep):
                 return
         entry[1].add(unit)
         self.most_steps = max(self.most_steps, len(entry[1]))
+
+    @property
+    def final_hint(self) -> str:
+        """The hint, once the copies are all seen: the one-copy spelling for input data copied on the host on the
+        way; for data seen again unchanged (a constant), without the guess about changing values."""
+        if self.extra_copy and self.fresh_input:
+            return self.one_copy
+        hint = self.hint
+        if hint and self.same_content and not self.fresh_input:
+            hint = hint.replace("if the values are the same every step, ", "the values are the same every step: ")
+            hint = hint.split("; if they change")[0]
+        return hint
+
+    @property
+    def extra_copy(self) -> bool:
+        """Input data copied on the host on the way (``torch.tensor(array).to(dev)``): the avoidable copy."""
+        return self.birth is not None and self.birth.copied
+
+    @property
+    def input_data(self) -> bool:
+        """Fresh input data moved once: at most a note."""
+        return self.fresh_input and not self.extra_copy
 
     @property
     def repeated(self) -> bool:
@@ -175,11 +213,12 @@ class _Copy(PerStep):
             "rate": rate(self, total),
             "cadence": self.cadence,
             "input_data": self.fresh_input,
+            "extra_host_copy": self.extra_copy and self.fresh_input,
             "shape": list(self.shape),
             "dtype": self.dtype,
             "real_copy": self.real,
             "allowed_by": self.allowed_by,
-            "hint": self.hint,
+            "hint": self.final_hint,
         }
 
 
@@ -263,6 +302,22 @@ class DevicePlacementCheck(Check):
                 "everything queued so far, then copies, every time"
             )
             sites.append(Site(f"{made_by(birth)} with python data", copy.move_stack, copy.count))
+        elif birth is not None and birth.site is not None and copy.extra_copy and copy.fresh_input:
+            made = made_by(birth)
+            title = (
+                f"{note}{made[:-5]}(<numpy array>) copies the array on the host, then {op} copies it again, in "
+                f"{copy.mover.function}: {freq}"
+            )
+            if birth.site.location() == copy.mover.location():
+                facts.append(f"at {birth.site.location()}: {birth.site.source}")
+            else:
+                facts.append(f"created at {birth.site.location()}: {birth.site.source}")
+                facts.append(f"moved at {copy.mover.location()}: {copy.mover.source}")
+            facts.append(
+                "a new array at each move: input data, which must be copied once; the host copy on the way is the "
+                "avoidable one"
+            )
+            sites.append(Site(f"{made[:-5]} then {op}", copy.move_stack, copy.count))
         elif birth is not None and birth.site is not None:
             made = made_by(birth)
             via = path_text(birth)
@@ -297,10 +352,11 @@ class DevicePlacementCheck(Check):
                     "once per epoch": "at most once per epoch", "once": "once in the run (like a tensor built lazily in the first step and kept)"}
             facts.append(f"copied {what[copy.cadence]}: a note, not a failure (max_copy_rate={self.limit:g}; "
                          "0 fails on it)")
-        if copy.judged and copy.fresh_input:
+        if copy.judged and copy.input_data:
+            source = "a new numpy array" if birth is not None and birth.array is not None else "new values"
             facts.append(
-                "made from a new numpy array at each move: input data (a batch built by hand), which every step "
-                "must copy, as it would a DataLoader's batch: a note, not a failure; on CUDA pin it "
+                f"made from {source} at each move: input data (a batch built by hand), which every step "
+                "must copy once, as it would a DataLoader's batch: a note, not a failure; on CUDA pin it "
                 "(`.pin_memory()`) and move it with `non_blocking=True`, or load it with "
                 "`DataLoader(..., pin_memory=True)`"
             )
@@ -314,8 +370,13 @@ class DevicePlacementCheck(Check):
             )
         elif copy.creation is not None and classify.rule_matters(copy.creation.filename):
             facts.append(f"counted as your code: {classify.rule(copy.creation.filename)}")
-        hint = copy.hint if copy.judged and not copy.fresh_input else ""
-        return Finding(title, facts, sites, hint)
+        hint = copy.final_hint if copy.judged and not copy.input_data else ""
+        finding = Finding(title, facts, sites, hint)
+        if not copy.by_user and not copy.allowed_by:
+            where = copy.creation or copy.mover
+            short = f"{where.filename.rsplit('/', 1)[-1]}:{where.lineno}"
+            finding.framework_note = (owner_label(where), short, copy.count)
+        return finding
 
     def result(self) -> CheckResult:
         run = self.run
@@ -324,9 +385,9 @@ class DevicePlacementCheck(Check):
         copies = sorted((c for c in self._copies.values() if c.broken), key=lambda c: -c.count)
         for c in copies:
             c.cadence = cadence(c, total, self.limit) if c.by_user and not c.allowed_by else None
-        failing = [c for c in copies if c.judged and not c.fresh_input]
+        failing = [c for c in copies if c.judged and not c.input_data]
         periodic = [c for c in copies if c.cadence is not None]
-        inputs = [c for c in copies if c.judged and c.fresh_input]
+        inputs = [c for c in copies if c.judged and c.input_data]
         framework = [c for c in copies if not c.by_user and not c.allowed_by]
         noted = periodic + inputs + framework
         allowed = [c for c in copies if c.allowed_by]
@@ -346,7 +407,7 @@ class DevicePlacementCheck(Check):
         if periodic:
             extras.append(f"{figures['periodic_copies']} periodic in your code (noted)")
         if inputs:
-            extras.append(f"{plural(figures['input_copies'], 'copy', 'copies')} of input data built from numpy arrays (noted)")
+            extras.append(f"{plural(figures['input_copies'], 'copy', 'copies')} of input data built by hand (noted)")
         if framework:
             owners = sorted({owner_label(c.creation or c.mover) for c in framework})
             extras.append(f"{figures['framework_copies']} in {', '.join(owners)} (noted)")

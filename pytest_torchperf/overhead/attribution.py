@@ -80,7 +80,7 @@ def _implementers(kind: Optional[str], owner: str, hook: str, trainer: Any, modu
             if getattr(cb, "state_key", type(cb).__qualname__) == owner
         ]
     if kind == "LightningModule":
-        return [(f"{type(module).__name__}.{hook} (LightningModule hook)", module)]
+        return [(_module_hook_label(module, hook), module)]
     if kind == "LightningDataModule":
         dm = getattr(trainer, "datamodule", None)
         return [(f"{type(dm).__name__}.{hook} (datamodule hook)", dm)] if dm is not None else []
@@ -95,6 +95,21 @@ def _implementers(kind: Optional[str], owner: str, hook: str, trainer: Any, modu
                 found.append((f"{type(obj).__name__}.{hook} ({what})", obj))
         return found
     return []
+
+
+def _module_hook_label(module: Any, hook: str) -> str:
+    """``TinyRegressor.training_epoch_end (LightningModule hook)`` for a hook your class defines; the class that
+    does define it otherwise (``LightningModule.configure_gradient_clipping``: Lightning's own, not yours)."""
+    mine = type(module).__name__
+    for klass in type(module).__mro__:
+        if hook in vars(klass):
+            if klass is type(module):
+                return f"{mine}.{hook} (LightningModule hook)"
+            site = _method_site(module, hook)
+            if site is not None and site[1]:  # defined by a base class of your own
+                return f"{klass.__name__}.{hook} (LightningModule hook, inherited by {mine})"
+            return f"{klass.__name__}.{hook} (Lightning's own hook: {mine} does not override it)"
+    return f"{mine}.{hook} (LightningModule hook)"
 
 
 def _is_base_hook(obj: Any, hook: str) -> bool:

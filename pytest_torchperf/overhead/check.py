@@ -8,11 +8,11 @@ replays each fit that the vanilla loop can mirror and compares the two.
 from __future__ import annotations
 
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..clocks import perf_counter
 from ..frameworks import lightning
 from ..report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Frame, Stack, capture
@@ -157,7 +157,7 @@ class OverheadCheck:
         if fit.refusals:
             return _refusal(fit, site, fit.refusals, base)
         options = self.run.options
-        started = time.perf_counter()
+        started = perf_counter()
         try:
             replay = run_replay(fit, options.max_overhead, options.overhead_rounds)
         except NotMirrored as exc:
@@ -167,7 +167,7 @@ class OverheadCheck:
             sites = [site] + ([Site(f"{type(exc).__name__} raised here", frames)] if frames else [])
             reason = f"the timing replay of the fit raised {type(exc).__name__}: {exc}"
             return _refusal(fit, site, [reason], base, sites=sites)
-        seconds = time.perf_counter() - started
+        seconds = perf_counter() - started
         parity = replay.parity
         hooks = attribution(replay)
         figures = dict(base)

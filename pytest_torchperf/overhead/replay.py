@@ -20,11 +20,11 @@ import random
 import shutil
 import sys
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+from ..clocks import perf_counter
 from ..core import suspended
 from ..frameworks import lightning
 from ..stacks import Stack
@@ -353,12 +353,12 @@ def _profiler(package: str) -> Any:
 
             def start(self, action_name: str) -> None:
                 if self._enabled:
-                    self._open.append((action_name, time.perf_counter()))
+                    self._open.append((action_name, perf_counter()))
 
             def stop(self, action_name: str) -> None:
                 if not self._enabled:
                     return
-                now = time.perf_counter()
+                now = perf_counter()
                 for i in range(len(self._open) - 1, -1, -1):
                     if self._open[i][0] == action_name:
                         started = self._open[i][1]
@@ -506,10 +506,10 @@ def run_replay(fit: ObservedFit, max_overhead: Optional[float], rounds: int) -> 
             if outer:
                 notes.append("another torchperf run was watching during the timing: its probes were installed")
             with frozen_heap(), LoadMeter() as load, _isolated_rng(), _quiet(), lightning.unobserved():
-                started = time.perf_counter()
+                started = perf_counter()
                 trainer = type(fit.trainer)(**kwargs)
                 trainer.fit(**fit_kwargs)
-                elapsed = time.perf_counter() - started
+                elapsed = perf_counter() - started
     if len(controller) < 2:
         raise RuntimeError(
             f"the timing replay stopped after {len(interleaver.l_times)} epochs, before two rounds were timed "

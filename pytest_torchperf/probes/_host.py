@@ -33,6 +33,7 @@ __all__ = [
     "Birth",
     "HostRegistry",
     "Move",
+    "describe_data",
     "is_cpu_string",
     "subclass_dispatch",
 ]
@@ -98,6 +99,12 @@ class Birth:
     #: A weak reference to the numpy array the tensor was made from (``torch.from_numpy(a)``,
     #: ``torch.as_tensor(a)``), None otherwise: a new array at every move is input data, the same one a constant.
     array: Any = None
+    #: A fingerprint of the data it was made from (small arrays and python sequences, built in a step), None
+    #: otherwise: data that changes from step to step is input data, the same data every step a constant.
+    content: Optional[int] = None
+    #: The factory copied a numpy array on the host (``torch.tensor(a)``, ``torch.Tensor(a)``): moving the result
+    #: copies it a second time, where ``torch.as_tensor(a, device=dev)`` copies once.
+    copied: bool = False
 
     def in_scope_of(self, run: "Run") -> bool:
         return any(r is run for r, _ in self.in_scope)
@@ -110,7 +117,8 @@ class Birth:
         path = self.path if self.path and self.path[-1] == step else self.path + (step,)
         return Birth(
             self.factory, self.caller_kind, self.site, self.stack, self.explicit, self.in_scope,
-            self.shape, self.dtype, False, False, path, self.functions, self.data, self.array,
+            self.shape, self.dtype, False, False, path, self.functions, self.data, self.array, self.content,
+            self.copied,
         )
 
 
@@ -341,11 +349,8 @@ class HostRegistry:
         else:
             data = _data_kind(args[0]) if name in DATA_FACTORIES and args else ""
             birth = self.site_birth(name, out, site, kind, explicit, data)
-            if args and (name in DATA_FACTORIES or name == "from_numpy") and _is_ndarray(args[0]):
-                try:
-                    birth.array = weakref.ref(args[0])
-                except TypeError:  # pragma: no cover - an array type without weak references
-                    pass
+            if args and (name in DATA_FACTORIES or name == "from_numpy"):
+                describe_data(birth, args[0], name == "tensor")
         self.remember(out, birth)
 
     def data_to_device(self, name: str, out: Any, data: Any, device: Any, frame: Optional[FrameType]) -> None:
@@ -357,6 +362,7 @@ class HostRegistry:
         if kind == TORCH:
             return
         birth = self.site_birth(name, out, site, kind, False, _data_kind(data))
+        describe_data(birth, data, False)
         real = out.device.type not in ("cpu", "meta")
         self.tell(Move(DATA, out, birth, True, device, frame, real))
 
@@ -427,6 +433,33 @@ def _is_ndarray(data: Any) -> bool:
     """A numpy array (or memmap), told without importing numpy."""
     cls = type(data)
     return cls.__module__.startswith("numpy") and hasattr(cls, "__array_interface__")
+
+
+def describe_data(birth: Birth, data: Any, copies: bool) -> None:
+    """What ``birth`` was made from: the numpy array (a weak reference), whether the factory copied it
+    (``copies``), and, in a step, a fingerprint of small data (see :attr:`Birth.content`)."""
+    if _is_ndarray(data):
+        try:
+            birth.array = weakref.ref(data)
+        except TypeError:  # pragma: no cover - an array type without weak references
+            pass
+        birth.copied = copies
+        if FLAGS.in_scope and getattr(data, "nbytes", 1 << 30) <= 1 << 16:
+            try:
+                birth.content = hash((data.shape, str(data.dtype), data.tobytes()))
+            except Exception:  # noqa: BLE001 - an array that cannot give its bytes
+                pass
+    elif FLAGS.in_scope and isinstance(data, (list, tuple)) and 0 < len(data) <= 4096:
+        flat: list[Any] = []
+        stack = [data]
+        while stack and len(flat) <= 4096:
+            item = stack.pop()
+            if isinstance(item, (list, tuple)):
+                stack.extend(item)
+            else:
+                flat.append(item)
+        if len(flat) <= 4096 and all(isinstance(v, (bool, int, float)) for v in flat):
+            birth.content = hash((len(data), tuple(flat)))
 
 
 def _data_kind(data: Any) -> str:

@@ -24,9 +24,10 @@ torch appears during the watch (torch's own host tensors, such as an
 optimizer's step counters, are not followed): a run whose code builds none pays
 nothing for them. Once installed, each costs a call and a dictionary check on
 top of the operation; measured in ``benchmarks/bench_step_checks.py``.
-Everything else (reductions, ``matmul``, ``torch.where(c, a, b)``, indexing
-with tensors, ``repeat``, ``flip``, operations of a subclass with its own
-``__torch_function__``) is not followed: its result counts as a device tensor.
+Every other operation (``pow``, ``exp``, ``sin``, ``einsum``, ``matmul``,
+reductions, ``where``...) is followed by :mod:`._follow`, installed at the
+same moment; indexing with tensors and operations of a subclass with its own
+``__torch_function__`` are not: their results count as device tensors.
 
 The legacy constructors (``torch.Tensor(2, 3).fill_(v)``, ``torch.FloatTensor(n)``)
 are classes: patching them would change ``torch.Tensor`` itself. They return
@@ -56,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ..core import FLAGS
 from ..frames import caller, kind_of
 from ..stacks import TORCH, Frame
+from . import _follow
 from ._host import LEGACY, Birth, is_cpu_string
 
 if TYPE_CHECKING:
@@ -71,9 +73,11 @@ BINARY = (
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
     "__and__", "__or__",
+    "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__",
+    "__xor__",
 )
 #: Tensor dunders of one operand.
-UNARY = ("__neg__", "__invert__")
+UNARY = ("__neg__", "__invert__", "__abs__")
 #: Other Tensor methods followed.
 METHODS = ("triu", "tril", "masked_fill", "detach", "clone")
 #: ``torch`` functions followed.
@@ -83,6 +87,8 @@ _LABELS = {
     "__eq__": "==", "__ne__": "!=", "__lt__": "<", "__le__": "<=", "__gt__": ">", "__ge__": ">=",
     "__add__": "+", "__radd__": "+", "__sub__": "-", "__rsub__": "-", "__mul__": "*", "__rmul__": "*",
     "__truediv__": "/", "__rtruediv__": "/", "__and__": "&", "__or__": "|", "__neg__": "-", "__invert__": "~",
+    "__pow__": "**", "__rpow__": "**", "__matmul__": "@", "__rmatmul__": "@", "__floordiv__": "//",
+    "__rfloordiv__": "//", "__mod__": "%", "__rmod__": "%", "__xor__": "^", "__abs__": "abs",
 }
 
 
@@ -174,6 +180,8 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
             patcher.wrap(tensor_type, name, lambda original, name=name: unary(name, original))  # type: ignore[misc]
         for name in METHODS:
             patcher.wrap(tensor_type, name, lambda original, name=name: method(name, original))  # type: ignore[misc]
+        # Every other operation (``pow``, ``sin``, ``einsum``, ``matmul``...): :mod:`._follow`.
+        _follow.install(probe, patcher, torch, dispatch, set(METHODS) | set(BINARY) | set(UNARY), set(FUNCTIONS))
 
     # The ``torch`` functions now: in ``torch.triu(torch.ones(n, n))`` the function is looked up before
     # its argument is built. Tensor operations only when the first host tensor built outside torch

@@ -35,7 +35,7 @@ import weakref
 from time import perf_counter as _perf_counter
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import lightning
+from ..frameworks import lightning
 from ..core import FLAGS
 from . import Probe
 

@@ -3,6 +3,13 @@
 Wraps ``DataParallel.__init__`` (remembers where an instance was built) and
 ``DataParallel.forward`` (sends ``on_data_parallel_forward(module, stack)`` to
 the checks of the active runs, the stack captured lazily, once).
+
+A subclass may be driven through another method (mmcv's ``MMDataParallel.train_step``
+calls ``self.module.train_step(...)``, never ``forward``): ``DataParallel`` gets a
+``__getattr__`` (``nn.Module``'s own, called after it) that sends
+``on_data_parallel_used(module, function, stack)`` when code outside torch reads the
+wrapped ``.module``. ``nn.Module`` already routes every attribute miss of a module
+through ``__getattr__``, so no other attribute read of any module changes.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from .. import core
 from ..core import FLAGS
 from ..frames import stack_of
-from ..stacks import Stack
+from ..frames import kind_of
+from ..stacks import TORCH, TORCHPERF, Stack
 from . import Probe, record_creation
 
 if TYPE_CHECKING:
@@ -57,8 +65,38 @@ class DataParallelProbe(Probe):
 
             return forward
 
-        patcher.wrap(dp, "__init__", record_creation(self, self.created, lambda: flags.active))
+        def wrap_getattr(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def __getattr__(self: Any, name: str) -> Any:
+                if name == "module" and flags.active:
+                    try:
+                        probe.read_module(self, sys._getframe(1))
+                    except Exception as exc:  # noqa: BLE001
+                        probe.failed(exc)
+                return original(self, name)
+
+            return __getattr__
+
+        record = record_creation(self, self.created, lambda: flags.active)
+
+        def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
+            recorded = record(original)
+
+            @functools.wraps(original)
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                __tracebackhide__ = True
+                recorded(self, *args, **kwargs)
+                if flags.active:
+                    try:
+                        core.notify("on_data_parallel_created", self)
+                    except Exception as exc:  # noqa: BLE001
+                        probe.failed(exc)
+
+            return __init__
+
+        patcher.wrap(dp, "__init__", wrap_init)
         patcher.wrap(dp, "forward", wrap_forward)
+        patcher.wrap(dp, "__getattr__", wrap_getattr)
 
     def forwarded(self, module: Any, frame: Any) -> None:
         """A forward pass of ``module``, called from ``frame``: its stack is captured when a check asks."""
@@ -70,6 +108,21 @@ class DataParallelProbe(Probe):
             return stack[0]
 
         core.notify("on_data_parallel_forward", module, lazy)
+
+    def read_module(self, module: Any, frame: Any) -> None:
+        """``module.module`` read at ``frame``: a use of the wrapper, unless torch's (or torchperf's) own code."""
+        if frame is None or kind_of(frame.f_code) in (TORCH, TORCHPERF):
+            return
+        code = frame.f_code
+        function = getattr(code, "co_qualname", code.co_name)
+        stack: list[Stack] = []
+
+        def lazy() -> Stack:
+            if not stack:
+                stack.append(stack_of(frame))
+            return stack[0]
+
+        core.notify("on_data_parallel_used", module, function, lazy)
 
 
 PROBE = DataParallelProbe()

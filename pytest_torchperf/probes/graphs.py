@@ -15,6 +15,12 @@ checks (they walk the graph). The checks' work is thus at most about
 unsampled calls pay a clock read and a comparison. Passes started by the
 autograd engine itself (reentrant checkpointing) are never sampled.
 
+In the steps whose backward pass is due to be sampled, a check may also see every
+module's output as it is built (:meth:`GraphsProbe.arm_forward`: a global module
+forward hook, registered for that step only): an output that is not part of the
+loss (an auxiliary head, predictions kept for an epoch-end metric) shares no
+node with the backward pass and would otherwise never be tagged.
+
 It also counts optimizer steps, cheaply: :meth:`GraphsProbe.await_optimizer_step`
 arms a one-shot global optimizer step post-hook (registered when armed,
 removed at the next backward pass after it fired), so a check that tagged a
@@ -32,11 +38,11 @@ invariant, to name the line that built what is retained.
 from __future__ import annotations
 
 import functools
-import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
+from ..clocks import perf_counter
 from ..core import FLAGS
 from . import Probe, is_compiling_function
 
@@ -91,6 +97,11 @@ class GraphsProbe(Probe):
         self._unhook = False
         self._current_node: Callable[[], Any] = lambda: None
         self._no_subclass_code: Any = None
+        #: Callbacks given each module output while armed (see :meth:`arm_forward`), and the hook's handle.
+        self._forward_callbacks: list[Callable[[Any], None]] = []
+        self._forward_hook: Any = None
+        #: Seconds the armed module output callbacks took since the last sample (added to its cost).
+        self.forward_seconds = 0.0
 
     def install(self, patcher: "Patcher") -> None:
         """Wrap the backward entry point; undone by ``patcher``."""
@@ -100,11 +111,12 @@ class GraphsProbe(Probe):
         self.reset()
         patcher.callback(self.reset)
         patcher.callback(self._remove_hook)
+        patcher.callback(self._remove_forward_hook, deferred=True)
         patcher.callback(self.stop_tracing)  # undone first: anomaly mode back before the state is cleared
         flags = FLAGS
         probe = self
         is_compiling = is_compiling_function()
-        clock = time.perf_counter
+        clock = perf_counter
         self._current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
         self._no_subclass_code = torch._C.DisableTorchFunctionSubclass
 
@@ -144,10 +156,56 @@ class GraphsProbe(Probe):
         if not roots:
             return
         core.notify("on_backward_sample", roots)
-        end = time.perf_counter()
+        end = perf_counter()
+        cost = end - start + self.forward_seconds
+        self.forward_seconds = 0.0
         self.samples += 1
-        self.sample_seconds += end - start
-        self.next_due = end + (end - start) / BUDGET
+        self.sample_seconds += cost
+        self.next_due = end + cost / BUDGET
+
+    # -- module outputs ------------------------------------------------------------------
+    def arm_forward(self, callback: Callable[[Any], None]) -> None:
+        """Give ``callback`` every module's output from now on, until :meth:`disarm_forward`."""
+        if callback not in self._forward_callbacks:
+            self._forward_callbacks.append(callback)
+        if self._forward_hook is not None:
+            return
+        try:
+            from torch.nn.modules.module import register_module_forward_hook
+        except ImportError:  # pragma: no cover
+            return
+        probe = self
+        callbacks = self._forward_callbacks
+        is_compiling = is_compiling_function()
+
+        def forward_hook(module: Any, args: Any, output: Any) -> None:
+            if is_compiling():
+                return
+            start = perf_counter()
+            try:
+                for fn in list(callbacks):
+                    fn(output)
+            except Exception as exc:  # noqa: BLE001 - never into the user's code
+                probe.failed(exc)
+            probe.forward_seconds += perf_counter() - start  # counted in the budget at the next sample
+
+        self._forward_hook = register_module_forward_hook(forward_hook)
+
+    def disarm_forward(self, callback: Callable[[Any], None]) -> None:
+        if callback in self._forward_callbacks:
+            self._forward_callbacks.remove(callback)
+        if not self._forward_callbacks:
+            self._remove_forward_hook()
+
+    def _remove_forward_hook(self) -> None:
+        hook, self._forward_hook = self._forward_hook, None
+        if hook is not None:
+            hook.remove()
+        self._forward_callbacks.clear()
+
+    def due(self) -> bool:
+        """Whether the next backward pass will be sampled (so a step starting now is a sampled one)."""
+        return perf_counter() >= self.next_due
 
     # -- optimizer steps -----------------------------------------------------------------
     def await_optimizer_step(self) -> None:

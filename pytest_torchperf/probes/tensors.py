@@ -15,9 +15,9 @@ While installed, the probe (its registry is :mod:`._host`):
   host-born result. Factories called by torch itself (``nn.Linear`` building
   its weights) are recorded as host tensors but never blamed on anyone;
 - follows a host-born tensor through views (``t._base``), dtype conversions
-  (``.float()``, ``.long()``, ``.to(dtype)``...) and the few cheap operations
-  of :mod:`._propagate` (``triu``, ``masked_fill``, comparisons and arithmetic
-  with numbers, ``stack``/``cat``...), and through device moves
+  (``.float()``, ``.long()``, ``.to(dtype)``...), the operations of
+  :mod:`._propagate` and every other operation (:mod:`._follow`: a result
+  computed only from host tensors is one), and through device moves
   (``.to(device)``, ``.to(tensor)``, ``.cuda()``, ``.type_as(t)``,
   ``dst.copy_(t)``). A move is sent to the checks in scope as an ``on_move``
   event (:class:`Move`) and, when the move returns the very same tensor
@@ -32,8 +32,9 @@ While installed, the probe (its registry is :mod:`._host`):
   blocking copy from host memory, every time (an ``on_move`` event of op
   :data:`DATA`);
 - recognises a tensor built by a legacy constructor (``torch.Tensor(n).fill_(v)``,
-  ``torch.FloatTensor(x)``) when it is moved in a step, by reading the source
-  at the move (:class:`._propagate.LegacySites`);
+  ``torch.FloatTensor(x)``, ``torch.Tensor(next_obs).to(dev)``) when it is moved
+  in a step, by reading the source at the move (:class:`._propagate.LegacySites`),
+  with the array or list it was given (:mod:`._inputs`);
 - remembers the modules moved to a device (``module.to(dev)``, ``.cuda()``), so
   ``module.cpu()`` of a module that never left the host is not a copy;
 - on a machine with an accelerator, remembers the tensors DataLoaders yield
@@ -46,9 +47,9 @@ A tensor subclass with its own ``__torch_function__`` is handed to torch as if
 nothing watched (the subclass sees torch's own method as ``func``), and is not
 followed.
 
-Known blind spots, by design (following every torch call would cost 1.3-1.9x
-on a small step): tensors derived by the operations :mod:`._propagate` does
-not follow (reductions, ``matmul``, ``torch.where(c, a, b)``...), factories
+Known blind spots, by design: indexing with a tensor (``table[idx]``), the
+first step's operations when the run's first host tensor is built inside
+them (the wrappers are installed at that moment), factories and operations
 imported by name before the run (``from torch import randn``), and legacy
 constructors whose source cannot be read.
 """
@@ -62,7 +63,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..core import FLAGS
-from . import Probe, _propagate, accelerator_available, is_compiling_function
+from . import Probe, _inputs, _propagate, accelerator_available, is_compiling_function
 from ._host import (
     CONVERSIONS,
     DATA,
@@ -70,6 +71,7 @@ from ._host import (
     Birth,
     HostRegistry,
     Move,
+    describe_data,
     is_cpu_string,
     subclass_dispatch,
 )
@@ -94,6 +96,7 @@ class TensorsProbe(HostRegistry, Probe):
         #: Lines that move (``.cuda()``, ``.type_as()``) or fill a tensor a legacy constructor built.
         self.legacy = _propagate.LegacySites(_propagate.MOVES)
         self.legacy_fills = _propagate.LegacySites(_propagate.INITIALIZERS)
+        self.legacy_arguments = _inputs.LegacyArgument()
         self.cpu_literals = _propagate.CpuLiterals()
 
     def reset(self) -> None:
@@ -101,6 +104,7 @@ class TensorsProbe(HostRegistry, Probe):
         self.clear()
         self.legacy.clear()
         self.legacy_fills.clear()
+        self.legacy_arguments.clear()
         self.cpu_literals.clear()
 
     def writes_cpu(self, frame: Optional[FrameType]) -> bool:
@@ -126,6 +130,27 @@ class TensorsProbe(HostRegistry, Probe):
             return False
         real = isinstance(out, self.tensor_type) and out.device.type not in ("cpu", "meta")
         self.tell(Move(op, tensor, birth, True, target, frame, real))
+        return True
+
+    def legacy_to(self, tensor: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  frame: Optional[FrameType]) -> bool:
+        """``.to(device)`` in a step of a fresh tensor the registry does not know: a legacy constructor given
+        data (``torch.Tensor(next_obs).to(dev)``)? Told if so, with the data it was given."""
+        target = self.target_of_to(args, kwargs)
+        if target is None or (is_cpu_string(target) and self.writes_cpu(frame)):
+            return False
+        birth = _propagate.legacy_birth(self, self.legacy, frame, tensor)
+        if birth is None:
+            return False
+        from ..frames import caller
+
+        site = caller(frame)
+        data = _inputs.legacy_data(self.legacy_arguments, site) if site is not None else None
+        if data is not None:
+            describe_data(birth, data, True)
+            birth.data = "values"
+        real = isinstance(out, self.tensor_type) and out.device.type not in ("cpu", "meta")
+        self.tell(Move("to", tensor, birth, True, target, frame, real))
         return True
 
     # -- install ---------------------------------------------------------------------------
@@ -189,6 +214,8 @@ class TensorsProbe(HostRegistry, Probe):
                 # .to("cpu") written out: a host target on purpose, not a move to the device (a host-built
                 # tensor moved to a variable that holds "cpu" here is moved to the training device)
                 target = None
+            if birth is None and flags.in_scope and self._version == 0 and probe.legacy_to(self, out, args, kwargs, frame):
+                return
             if birth is None or (birth.moved and not flags.in_scope):
                 if target is None:
                     if out is not self and accelerated and probe.loader_tensors and probe.from_loader(self):
@@ -215,6 +242,11 @@ class TensorsProbe(HostRegistry, Probe):
                         # Fast path: not a host-born tensor (a batch, a parameter), unless a view of one.
                         base = self._base
                         if base is None or births_get(id(base)) is None:
+                            if flags.in_scope and self._version == 0:  # maybe ``torch.Tensor(data).to(dev)``
+                                try:
+                                    probe.legacy_to(self, out, args, kwargs, getframe(1))
+                                except Exception as exc:  # noqa: BLE001
+                                    probe.failed(exc)
                             return out
                     try:
                         after_to(self, out, args, kwargs, getframe(1))

@@ -42,12 +42,12 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
+from ..clocks import monotonic, sleep
 from ..core import Run
 from ..frameworks import lightning
 from . import child
@@ -169,16 +169,16 @@ def _why_missing(process: Any, waited: float, timed_out: bool) -> str:
 
 def _wait_for(path: str, process: Any, deadline: float) -> Optional[str]:
     """Wait until ``path`` exists, ``process`` exited or ``deadline`` passed; the reason it is missing, or None."""
-    start = time.monotonic()
+    start = monotonic()
     pause = 0.005
     while True:
         if os.path.exists(path):
             return None
         if process is not None and _exit_code(process) is not None:
-            return None if os.path.exists(path) else _why_missing(process, time.monotonic() - start, False)
-        if time.monotonic() >= deadline:
-            return _why_missing(process, time.monotonic() - start, True)
-        time.sleep(pause)
+            return None if os.path.exists(path) else _why_missing(process, monotonic() - start, False)
+        if monotonic() >= deadline:
+            return _why_missing(process, monotonic() - start, True)
+        sleep(pause)
         pause = min(pause * 2, 0.1)
 
 
@@ -214,7 +214,7 @@ def collect(run: Run, exc: Optional[BaseException]) -> None:
     parts: list[Part] = []
     try:
         timeout = REPORT_TIMEOUT_AFTER_ERROR if exc is not None else REPORT_TIMEOUT
-        deadline = time.monotonic() + timeout
+        deadline = monotonic() + timeout
         for launch in launches:
             depth = next((d for d, r in launch.runs.items() if r is run), None)
             if depth is None:

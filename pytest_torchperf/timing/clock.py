@@ -19,9 +19,10 @@ import glob
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
+
+from ..clocks import perf_counter
 
 #: Environment variable naming the file whose exclusive lock serialises timed sections.
 LOCK_ENV = "PYTEST_TORCHPERF_TIMING_LOCK"
@@ -141,9 +142,9 @@ def timing_lock() -> Iterator[LockInfo]:
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        started = time.perf_counter()
+        started = perf_counter()
         fcntl.flock(fd, fcntl.LOCK_EX)
-        info = LockInfo(path, time.perf_counter() - started)
+        info = LockInfo(path, perf_counter() - started)
         _lock_depth.n = 1
         try:
             yield info
@@ -254,7 +255,7 @@ class Stopwatch:
             torch = sys.modules["torch"]
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record(torch.cuda.current_stream(self._cuda))
-        self._started = time.perf_counter()
+        self._started = perf_counter()
         self._wait = cpu_wait() if self.unit == THREAD_TIME else None
 
     def stop(self) -> tuple[float, Optional[float]]:
@@ -267,7 +268,7 @@ class Stopwatch:
             return begin.elapsed_time(end) * 1e-3, None
         synchronize(self.device)
         wait = cpu_wait() if self.unit == THREAD_TIME else None
-        wall = time.perf_counter() - self._started
+        wall = perf_counter() - self._started
         if wait is None or self._wait is None:
             return wall, None
         return wall, min(max(wait - self._wait, 0.0), wall)

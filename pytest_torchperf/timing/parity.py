@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..arguments import suggest
+from ..clocks import perf_counter
 from ..options import OVERHEAD_INCONCLUSIVE, OVERHEAD_MAX_ROUNDS, OVERHEAD_ROUNDS, UsageError, parse_options
 from ..report import FAILED, INCONCLUSIVE, PASSED, CheckResult, Finding, Report, settle
 from .clock import RETURNED_TIME, UNIT_TEXT, LoadMeter, Stopwatch, frozen_heap, timing_lock, torch_threads
@@ -154,9 +154,10 @@ class ParityResult:
         est = self.estimate
         lines = [self.candidate.describe(), self.baseline.describe()]
         over = (
-            f"overhead {fmt_pct(self.overhead)} (geometric mean of {self.rounds} paired rounds, balanced over their "
-            f"order: {self.candidate.name}-first rounds measured {fmt_pct(est.order_effect)} against the others), "
-            f"95% interval {fmt_pct(lo)}..{fmt_pct(hi)}"
+            f"overhead {fmt_pct(self.overhead)} (the geometric mean of {self.rounds} rounds, each timing the "
+            f"{self.candidate.name} and the {self.baseline.name} once, in alternating order; when the "
+            f"{self.candidate.name} ran first it measured {fmt_pct(est.order_effect)} against the rounds where it ran "
+            f"second, which alternating cancels out), 95% interval {fmt_pct(lo)}..{fmt_pct(hi)}"
         )
         if self.max_overhead is not None:
             threshold = f"the threshold {self.max_overhead:.0%}"
@@ -347,7 +348,7 @@ def parity(
     controller = Rounds(max_overhead, rounds)
     units: dict[str, None] = {}  # the units the calls were measured in, in order
     with timing_lock() as lock:
-        locked = time.perf_counter()
+        locked = perf_counter()
         threads = torch_threads()
         repinned = 0
         with frozen_heap(), LoadMeter() as load:
@@ -389,7 +390,7 @@ def parity(
         load=load.figures,
         lock=lock.path,
         lock_wait_s=lock.waited_s,
-        elapsed_s=time.perf_counter() - locked,
+        elapsed_s=perf_counter() - locked,
         notes=notes,
         on_inconclusive=inconclusive,
         advice=f"rounds={rounds}",

@@ -10,11 +10,11 @@ import copy
 import dataclasses
 import inspect
 import itertools
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional
 
+from ..clocks import perf_counter
 from ..options import UsageError
 from .clock import synchronize
 from .stats import check_int
@@ -366,7 +366,7 @@ class VanillaLoop:
         self.module.train()
         batches = self.loader if max_batches is None else itertools.islice(self.loader, max_batches)
         synchronize(self.device)
-        started = time.perf_counter()
+        started = perf_counter()
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_LOG_WITHOUT_TRAINER)
             pending = False
@@ -381,7 +381,7 @@ class VanillaLoop:
                 if s.interval == "epoch" and self.epochs % s.frequency == 0:
                     s.scheduler.step()
         synchronize(self.device)
-        return time.perf_counter() - started
+        return perf_counter() - started
 
 
 def _batches_per_epoch(loader: Any, limit: Optional[float]) -> Optional[int]:
