@@ -105,3 +105,12 @@ def test_a_far_case_stops_early_when_quiet_and_never_passes_when_loaded() -> Non
     assert sum(len(r) == EARLY_ROUNDS for r in quiet) >= 90 and all(r.verdict == "failed" for r in quiet)
     loaded = [_timed(rng, 1.86, 0.6) for _ in range(100)]
     assert all(len(r) >= 4 for r in loaded) and not any(r.verdict == "passed" for r in loaded)
+
+
+def test_an_epoch_that_waited_through_most_of_its_wall_time_is_still_taken_out_and_counts_as_load() -> None:
+    rounds = Rounds(max_overhead=0.5, rounds=10)
+    rounds.add(2.0, 10.0, 0.15, 9.1)  # the baseline's 0.9 s of work waited 9.1 s for a CPU
+    rounds.add(10.0, 1.9, 8.0, 0.9)
+    assert rounds.ratios == pytest.approx([1.85 / 0.9, 2.0 / 1.0])
+    assert rounds.wait_share is not None and rounds.wait_share > 0.5
+    assert not rounds.done()  # no early look on a loaded machine
