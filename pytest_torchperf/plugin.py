@@ -209,6 +209,9 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
         return  # a rank process re-running the session: its launcher judges
     settings = item.config.stash[_SETTINGS]
     fail = not (settings.report_only or settings.baseline_update)
+    # A baseline holds findings, never a verdict that could not be reached: an inconclusive check that
+    # fails the run fails it with a baseline too (and while one is written).
+    unsure = not settings.report_only and any(c.inconclusive for c in report.failures)
     if fail and not report.passed:
         comparison = adoption.judge(item.config, item.nodeid, report)
         if comparison is not None:
@@ -216,7 +219,7 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
                 raise baseline.KnownFindingsViolation(report, comparison)
             fail = False  # every finding is one the baseline knows
     try:
-        _report.settle(report, fail=fail)
+        _report.settle(report, fail=fail or unsure)
     except _report.Inconclusive as exc:
         item.stash[_SKIPPED] = True
         pytest.skip(str(exc))

@@ -564,7 +564,7 @@ def test_check_times_copies_and_leaves_the_users_objects_alone(tmp_path: Any, mo
     assert check.status == "passed", check.summary
     fit = check.figures["fits"][0]
     assert fit["module"] == "Tiny" and fit["site"].endswith(f"test_max_overhead.py:{_line_of('trainer.fit(model, tiny_loader())')}")
-    assert fit["rounds"] >= MIN_ROUNDS and fit["batches_per_epoch"] == 4 and fit["lock"] == lock
+    assert fit["rounds"] >= 2 and fit["batches_per_epoch"] == 4 and fit["lock"] == lock  # 2: the early look
     assert check.figures["overhead"] == fit["overhead"] and len(fit["interval"]) == 2
     # The replay trained copies: the user's module, callback and random generator are as the fit left them.
     assert torch.equal(model.layer.weight, weights)
@@ -864,7 +864,7 @@ def test_fixture_parity_fails_the_test_and_is_recorded(pytester: pytest.Pytester
 
         def test_within(torchperf):
             result = torchperf.parity(lambda: time.sleep(0.01), lambda: time.sleep(0.01), max_overhead=0.5, rounds=4)
-            assert result.passed and result.rounds >= 4
+            assert result.passed and result.rounds >= 2  # 2: the early look of a quiet machine
         """
     )
     result = pytester.runpytest("--torchperf-json=out.json")

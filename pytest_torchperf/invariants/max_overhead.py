@@ -28,7 +28,8 @@ INVARIANT = Invariant(
             Integer(minimum=OVERHEAD_MIN_ROUNDS, maximum=OVERHEAD_MAX_ROUNDS, optional=False),
             OVERHEAD_ROUNDS,
             "time at most this many rounds (one fit epoch and one vanilla epoch each, "
-            f"after a warm-up); it stops after {OVERHEAD_MIN_ROUNDS} once the 95% interval is clear of the threshold",
+            f"after a warm-up); it stops after 2 on a quiet machine, else after {OVERHEAD_MIN_ROUNDS}, once the 95% "
+            "interval is clear of the threshold",
             meaning="timed rounds of max_overhead",
         ),
         Argument(

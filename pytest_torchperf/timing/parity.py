@@ -70,13 +70,15 @@ class ParityResult:
     advice: str = ""
     #: Per round, whether the candidate ran first (empty: rounds 0, 2, 4... did).
     candidate_first: list[bool] = field(default_factory=list)
+    #: The systematic half-width (log scale) the machine's load added to the interval (see ``Rounds.shift``).
+    load_shift: float = 0.0
     _estimate: Optional[Estimate] = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_rounds(cls, rounds: Rounds, names: tuple[str, str], warmup_rounds: int, **context: Any) -> "ParityResult":
         """The result of the comparison ``rounds`` timed (``context``: the other fields)."""
         candidate, baseline = rounds.sides(names)
-        return cls(
+        result = cls(
             candidate=candidate,
             baseline=baseline,
             ratios=rounds.ratios,
@@ -85,8 +87,11 @@ class ParityResult:
             stop_reason=rounds.stop_reason,
             level=rounds.level,
             candidate_first=list(rounds.candidate_first),
+            load_shift=rounds.shift,
             **context,
         )
+        result._estimate = rounds.estimate()  # with what the rounds know beyond their ratios (load, early look)
+        return result
 
     @property
     def estimate(self) -> Estimate:
@@ -175,6 +180,11 @@ class ParityResult:
                 f"(Linux run-queue delay): {shares[0]:.1%} of {self.candidate.name}'s wall time, "
                 f"{shares[1]:.1%} of {self.baseline.name}'s"
             )
+        if self.load_shift >= 0.005:
+            lines.append(
+                f"the interval is widened by {self.load_shift:.1%} (log scale) on both sides for that load: a core "
+                "shared with other work also shares its caches, which moves both sides' times in every round alike"
+            )
         warm = f"{self.warmup_rounds} warm-up round{'s' if self.warmup_rounds != 1 else ''} dropped"
         lines.append(
             f"rounds: {self.rounds} timed, interleaved A/B then B/A, {warm}; stopped: {self.stop_reason} "
@@ -216,6 +226,7 @@ class ParityResult:
             "candidate_first": list(self.candidate_first),
             "order_effect": est.order_effect,
             "round_sd": est.sd,
+            "load_shift": self.load_shift,
             "unit": self.unit,
             "candidate": self.candidate.to_dict(),
             "baseline": self.baseline.to_dict(),
