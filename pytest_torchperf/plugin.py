@@ -23,7 +23,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import adoption, baseline, project, ranks, results, stacks
+from . import adoption, baseline, ci, project, ranks, results, stacks
 from .arguments import UsageError
 from .core import Run
 from .options import OVERHEAD_ROUNDS, Options, describe_options, parse_options
@@ -87,6 +87,7 @@ def pytest_configure(config: pytest.Config) -> None:
     apply_threads(config, settings)
     adoption.configure(config, settings, _is_watched)
     config.pluginmanager.register(_Recorder(config, settings), "torchperf-recorder")
+    config.pluginmanager.register(ci.CiOutput(config, settings), "torchperf-ci")
 
 
 def _count_user_packages(config: pytest.Config, settings: Settings) -> None:
