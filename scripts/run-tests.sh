@@ -5,12 +5,15 @@
 #                          compatibility environments (scripts/compat-envs.sh)
 # Extra arguments go to pytest. Without any (as CI runs it), the package check
 # (scripts/check-package.sh) and the compatibility runs (scripts/run-compat.sh) run before the
-# suite; TORCHPERF_COMPAT=0 leaves them out.
+# suite; TORCHPERF_COMPAT=0 leaves them out; and the suite (which builds the docs site with
+# `mkdocs build --strict` and runs the README's snippets: tests/test_docs.py) runs on
+# TORCHPERF_WORKERS xdist workers (default 2; 0: serially).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$python" -m venv .venv
+# A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
+[ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[test]"
 bash scripts/check-torch.sh .venv/bin/python
 bash scripts/legacy-envs.sh
@@ -22,6 +25,9 @@ if [ "$#" -eq 0 ] && [ "${TORCHPERF_COMPAT:-1}" != 0 ]; then
   bash scripts/check-package.sh || status=1
   bash scripts/run-compat.sh || status=1
   echo; echo "=== The test suite"
+fi
+if [ "$#" -eq 0 ] && [ "${TORCHPERF_WORKERS:-2}" != 0 ]; then
+  set -- -n "${TORCHPERF_WORKERS:-2}"
 fi
 rc=0
 .venv/bin/python -m pytest "$@" || rc=$?
