@@ -108,7 +108,9 @@ def test_a_test_failed_by_torchperf_has_its_own_letter_and_still_counts_and_read
     result.stdout.fnmatch_lines(["FAILED test_suite.py::test_sync - torchperf: 1 invariant broken: *"])
     verbose = pytester.runpytest("-v")
     verbose.stdout.fnmatch_lines([
-        "test_suite.py::test_sync FAILED *", "test_suite.py::test_clean PASSED *", "test_suite.py::test_own_failure FAILED *"
+        "test_suite.py::test_sync FAILED *",
+        "test_suite.py::test_clean PASSED *",
+        "test_suite.py::test_own_failure FAILED *",
     ])
     # Report only: nothing fails, so no letter.
     pytester.runpytest("--torchperf-report-only").stdout.fnmatch_lines(["test_suite.py ..F *"])
@@ -137,7 +139,9 @@ def test_the_github_job_summary_has_every_watched_test_and_links_the_worst_findi
     pytester.makepyfile(test_suite=SUITE)
     pytester.runpytest().assert_outcomes(passed=1, failed=2)
     text = summary.read_text()
-    assert text.startswith("earlier step\n### torchperf: 2 watched tests, 1 failed; broken invariants: `no_host_sync` in 1")
+    assert text.startswith(
+        "earlier step\n### torchperf: 2 watched tests, 1 failed; broken invariants: `no_host_sync` in 1"
+    )
     assert (
         f"- **no_host_sync** (error) at [`test_suite.py:{SYNC_LINE}`]"
         f"(https://github.com/acme/trainer/blob/0123abc/test_suite.py#L{SYNC_LINE}): "

@@ -135,7 +135,7 @@ def test_new_pages_join_the_nav_without_editing_mkdocs_yml(tmp_path: Path) -> No
 
 
 def test_the_figures_are_drawn_from_their_recorded_runs() -> None:
-    """The SVGs are what scripts/docs_figures.py draws from docs/figures/data, and that data is of the page's example."""
+    """The SVGs are what scripts/docs_figures.py draws from docs/figures/data, which is of the page's example."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "docs_figures.py"), "--check"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
