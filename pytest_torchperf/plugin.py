@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
-from . import adoption, project, unchecked
+from . import adoption, ci, project, unchecked
 from ._lazy import lazy_module
 from .constants import OVERHEAD_ROUNDS
 from .errors import UsageError
@@ -94,6 +94,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_THREADS] = apply_threads(config, settings)
     adoption.configure(config, settings, _is_watched)
     config.pluginmanager.register(_Recorder(config, settings), "torchperf-recorder")
+    config.pluginmanager.register(ci.CiOutput(config, settings), "torchperf-ci")
 
 
 def _marker_help(config: pytest.Config) -> str:

@@ -8,7 +8,8 @@ cd "$root"
 python=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-[ -x .venv/bin/python ] || "$python" -m venv .venv
+# A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
+[ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 .venv/bin/python -m pip install -q --disable-pip-version-check build  # the CI/test path only
 if ! .venv/bin/python -m build --outdir "$work/dist" "$root" >"$work/build.log" 2>&1; then
   cat "$work/build.log"
@@ -18,9 +19,11 @@ wheel=$(ls "$work"/dist/*.whl)
 sdist=$(ls "$work"/dist/*.tar.gz)
 echo "check-package: built $(basename "$sdist") and $(basename "$wheel")"
 "$python" -m venv "$work/venv"
+bash "$root/scripts/torch-layer.sh" "$work/venv"  # torch 2.13.0 CPU, shared: the package is what is checked
 pip=("$work/venv/bin/python" -m pip install -q --disable-pip-version-check)
 # torch pinned: the package asks for torch>=2.1, and only this version's CPU wheel is wanted here.
 "${pip[@]}" torch==2.13.0 "$wheel"
+bash "$root/scripts/check-torch.sh" "$work/venv/bin/python"
 (cd "$work" && "$work/venv/bin/python" "$root/scripts/smoke_test.py" wheel)
 "${pip[@]}" --force-reinstall --no-deps "$sdist"
 (cd "$work" && "$work/venv/bin/python" "$root/scripts/smoke_test.py" sdist)

@@ -69,6 +69,7 @@ build() {
 }
 
 install_lightning() {
+  bash "$root/scripts/torch-layer.sh" "$1"  # torch 2.13.0 CPU from the shared layer
   pip_in "$1" torch==2.13.0 pytest pytest-xdist
   # `lightning` declares pytorch-lightning as a dependency but never imports it: leave it out,
   # so nothing can fall back to the older package, and install what `lightning` does import.
@@ -77,6 +78,7 @@ install_lightning() {
     | { grep -v "pytorch-lightning, which is not installed\|dependency resolver does not currently" || true; }
 }
 install_pytest_oldest() {
+  bash "$root/scripts/torch-layer.sh" "$1"
   pip_in "$1" torch==2.13.0 "pytest==$PYTEST_OLDEST" "pluggy==$PLUGGY_OLDEST" pytest-xdist pytorch-lightning
 }
 install_python_oldest() { pip_in "$1" "pytest==$PYTEST_OLDEST" "pluggy==$PLUGGY_OLDEST" pytest-xdist; }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side environments with pytorch-lightning 1.5.0 (the seed bug) and 1.5.1 (its fix),
-# each with torch 2.13.0 and this plugin installed editable. Idempotent: an
+# each with torch 2.13.0 (CPU, from the shared layer: scripts/torch-layer.sh) and this plugin installed editable. Idempotent: an
 # environment that already imports both is kept.
 #   TORCHPERF_LEGACY_ENVS  where to put them (default: .torchperf-envs/ in the repo)
 set -euo pipefail
@@ -17,6 +17,7 @@ for version in 1.5.0 1.5.1; do
   echo "legacy-envs: building $env"
   rm -rf "$env"
   "$python" -m venv "$env"
+  bash "$root/scripts/torch-layer.sh" "$env"  # torch 2.13.0 CPU from the shared layer
   pip=("$env/bin/python" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" torch==2.13.0 pytest
   # 1.5.x imports pkg_resources, which setuptools 81 removed; torch 2.13.0 needs setuptools>=77.0.3.

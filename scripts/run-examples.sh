@@ -6,7 +6,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$python" -m venv .venv
+# A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
+[ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[lightning]"
 bash scripts/check-torch.sh .venv/bin/python
 bash scripts/legacy-envs.sh

@@ -8,12 +8,14 @@
 # compatibility runs (scripts/run-compat.sh) and a smoke run of every benchmark
 # (scripts/run-benchmarks.sh --smoke) run before the suite; TORCHPERF_COMPAT=0 leaves out the package
 # check and the compatibility runs, TORCHPERF_BENCH=0 the benchmarks; the suite then runs on
-# TORCHPERF_WORKERS xdist workers (default 2). `-m "not slow"` is the fast tier (CONTRIBUTING.md).
+# TORCHPERF_WORKERS xdist workers (default 2). The suite builds the docs site with `mkdocs build --strict`
+# and runs the README's snippets (tests/test_docs.py). `-m "not slow"` is the fast tier (CONTRIBUTING.md).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$python" -m venv .venv
+# A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
+[ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[test]"
 bash scripts/check-torch.sh .venv/bin/python
 bash scripts/legacy-envs.sh

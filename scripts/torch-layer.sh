@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# torch-layer.sh ENV: give the virtual environment ENV torch 2.13.0 (CPU) from one shared install
+# instead of a copy of its own (about 760 MB and a minute or more of unpacking each): the layer
+# .torchperf-envs/torch-2.13.0-pyX.Y/site-packages is built once per Python version with
+# `pip install --target`, and ENV sees it through a .pth file, after its own site-packages. pip in
+# ENV counts the layer's torch as installed, so `pip install torch==2.13.0 ...` there downloads no
+# torch; a package ENV installs itself shadows the layer's copy. check-torch.sh then checks ENV.
+#   TORCHPERF_TORCH_LAYER  where the layers live (default: .torchperf-envs/ in the repo)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+env=$1
+dest=${TORCHPERF_TORCH_LAYER:-$root/.torchperf-envs}
+version=$("$env/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+layer="$dest/torch-2.13.0-py$version/site-packages"  # named so: frames there are a library's
+if [ ! -f "$layer/.torchperf-complete" ]; then
+  echo "torch-layer: building $layer"
+  rm -rf "$layer"
+  mkdir -p "$layer"
+  "$env/bin/python" -m pip install -q --disable-pip-version-check --no-compile --target "$layer" torch==2.13.0
+  touch "$layer/.torchperf-complete"
+fi
+site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$layer" > "$site/torchperf-torch-layer.pth"
