@@ -17,13 +17,22 @@ The rendering functions are pytest-free; :class:`CiOutput` is the pytest glue (r
 from __future__ import annotations
 
 import os
-from typing import Any, Generator, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Generator, Iterable, Optional
 
 import pytest
 
-from . import github, ranks, registry
+from ._lazy import lazy_module
 from ._version import __version__
-from .report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED, InvariantViolation
+
+if TYPE_CHECKING:
+    from . import github, registry
+    from .ranks import child as _child
+    from .report import InvariantViolation
+else:  # loaded when a session reports on a watched test: an unmarked session pays nothing for them
+    github = lazy_module("pytest_torchperf.github")
+    registry = lazy_module("pytest_torchperf.registry")
+    _child = lazy_module("pytest_torchperf.ranks.child")
+_report = lazy_module("pytest_torchperf.report")
 
 __all__ = ["CiOutput", "entry_point_names", "header_line", "step_summary", "STATUS_LETTER"]
 
@@ -32,6 +41,8 @@ STATUS_LETTER = "T"
 #: At most this many findings in the job summary's "worst findings" list.
 WORST = 10
 
+#: The statuses as the JSON and the recorded checks spell them (:class:`pytest_torchperf.status.Status` values).
+FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED = "failed", "inconclusive", "not checked", "passed"
 _ICONS = {FAILED: "❌", INCONCLUSIVE: "⚠️", PASSED: "✅", NOT_CHECKED: "➖"}
 
 
@@ -158,7 +169,7 @@ class CiOutput:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
         report = yield
         exc = call.excinfo.value if call.excinfo is not None else None
-        if call.when == "call" and report.failed and isinstance(exc, InvariantViolation):
+        if call.when == "call" and report.failed and isinstance(exc, _report.InvariantViolation):
             report.torchperf_failed = True  # plain data: travels from xdist workers with the report
         return report
 
@@ -170,7 +181,7 @@ class CiOutput:
     @pytest.hookimpl(trylast=True)  # after the recorder and the adoption plugin saw the session end
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         path = os.environ.get("GITHUB_STEP_SUMMARY")
-        if not path or getattr(self.config, "workerinput", None) is not None or ranks.judged_elsewhere():
+        if not path or getattr(self.config, "workerinput", None) is not None or _child.judged_elsewhere():
             return
         if not github.enabled(self.settings.annotations):
             return
