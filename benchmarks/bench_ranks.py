@@ -140,7 +140,7 @@ def local(rounds: int, steps: int) -> None:
                     times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    variants = ["A", "B"] if args.smoke else ["A", "B", "D"]
+    variants = ["A", "B", "D"]
     per_step: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(rounds + 1):
         for variant in variants[r % 3:] + variants[: r % 3]:
