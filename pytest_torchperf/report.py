@@ -31,12 +31,13 @@ __all__ = [
     "settle",
 ]
 
-#: The statuses, as the :class:`Status` members (each a ``str``: ``FAILED == "failed"``).
-PASSED = Status.PASSED
-FAILED = Status.FAILED
-NOT_CHECKED = Status.NOT_CHECKED
+#: The statuses as plain strings, the values of :class:`Status` (``Status.FAILED == FAILED == "failed"``):
+#: data that travels (xdist, rank reports, JSON) holds only plain strings.
+PASSED: str = Status.PASSED.value
+FAILED: str = Status.FAILED.value
+NOT_CHECKED: str = Status.NOT_CHECKED.value
 #: A measured verdict that could not be confirmed either way (``max_overhead`` whose interval straddles the threshold).
-INCONCLUSIVE = Status.INCONCLUSIVE
+INCONCLUSIVE: str = Status.INCONCLUSIVE.value
 
 #: Without ``-v``, a report shows at most this many findings per invariant and sites per finding.
 MAX_FINDINGS = 5
@@ -125,6 +126,10 @@ class CheckResult:
     findings: list[Finding] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.status, Status):  # a plug-in's Status member: kept as its plain string
+            self.status = self.status.value
+
     @property
     def failed(self) -> bool:
         return self.status == FAILED
@@ -162,7 +167,7 @@ class CheckResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "passed": self.status == PASSED,
-            "status": str(self.status),  # plain str: the data travels from xdist workers
+            "status": self.status,
             "summary": self.summary,
             "count": self.count,
             "figures": dict(self.figures),

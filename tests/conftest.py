@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover
     pass
 
 #: The test modules that need no torch: without it, only these are collected.
-TORCH_FREE = ("test_baseline.py", "test_github.py", "test_torch_free.py", "test_slots.py")
+TORCH_FREE = ("test_baseline.py", "test_github.py", "test_torch_free.py", "test_slots.py", "test_startup.py")
 if torch is None:
     collect_ignore = [p.name for p in Path(__file__).parent.glob("*.py") if p.name not in TORCH_FREE + ("conftest.py",)]
 

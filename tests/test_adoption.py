@@ -107,6 +107,7 @@ def test_a_higher_rate_and_a_new_site_fail_naming_what_is_new(pytester: pytest.P
     )
 
 
+@pytest.mark.slow
 def test_moved_lines_stay_known_and_a_renamed_test_is_stale_plus_new(pytester: pytest.Pytester) -> None:
     _suite(pytester)
     pytester.runpytest("--torchperf-baseline=b.json", "--torchperf-baseline-update")
@@ -145,6 +146,7 @@ def test_stale_entries_drop_on_update_and_unselected_tests_keep_theirs(pytester:
     assert sorted(_entries(pytester.path / "b.json")) == ["test_other.py::test_other_sync"]
 
 
+@pytest.mark.slow
 def test_xdist_judges_and_writes_like_a_serial_run(pytester: pytest.Pytester) -> None:
     _suite(pytester)
     _suite(pytester, SUITE.replace("def test_", "def test_other_"), name="test_other")
@@ -221,6 +223,7 @@ FRAMEWORK_SITE = """
 """
 
 
+@pytest.mark.slow
 def test_annotations_on_github_actions_once_per_site_known_ones_as_warnings(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -250,6 +253,7 @@ def test_annotations_on_github_actions_once_per_site_known_ones_as_warnings(
     assert not [line for line in pytester.runpytest().stdout.lines if line.startswith("::")]
 
 
+@pytest.mark.slow
 def test_annotations_point_at_your_line_under_xdist_from_the_controller_only(
     user_models: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -295,6 +299,7 @@ def test_trace_of_a_failing_test_has_its_steps_and_findings_marked(pytester: pyt
     assert doc["torchperf"]["test"] == "test_suite.py::test_sync"
 
 
+@pytest.mark.slow
 def test_trace_under_xdist_and_none_without_the_option(pytester: pytest.Pytester) -> None:
     _suite(pytester)
     result = pytester.runpytest_subprocess("-n", "2", "--torchperf-trace=traces")
@@ -305,6 +310,7 @@ def test_trace_under_xdist_and_none_without_the_option(pytester: pytest.Pytester
     assert "torchperf trace" not in plain.stdout.str()
 
 
+@pytest.mark.slow
 def test_trace_marks_a_lightning_training_step(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(
         test_fit="""

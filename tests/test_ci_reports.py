@@ -48,6 +48,7 @@ def _verdicts(doc: dict) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_json_report_serial_and_under_xdist_agree(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(test_suite=SUITE)
     serial = user_models.runpytest_subprocess("--torchperf-json=serial.json")
@@ -85,6 +86,7 @@ def test_json_report_serial_and_under_xdist_agree(user_models: pytest.Pytester) 
     assert parallel.stdout.str().count("= torchperf summary =") == 1
 
 
+@pytest.mark.slow
 def test_junit_xml_carries_figures_as_properties(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(test_suite=SUITE)
     user_models.runpytest("--junitxml=out.xml", "-k", "marker")
@@ -99,6 +101,7 @@ def test_junit_xml_carries_figures_as_properties(user_models: pytest.Pytester) -
     assert props["test_marker_clean"]["torchperf.no_iterator_reset.status"] == "passed"
 
 
+@pytest.mark.slow
 def test_report_only_reports_without_failing(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(test_suite=SUITE)
     result = user_models.runpytest("--torchperf-report-only", "--torchperf-json=out.json")
@@ -115,6 +118,7 @@ def test_report_only_reports_without_failing(user_models: pytest.Pytester) -> No
     assert respawn["checks"]["no_iterator_reset"]["status"] == FAILED
 
 
+@pytest.mark.slow
 def test_report_only_from_the_ini_file(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(test_suite=SUITE)
     user_models.makeini("[pytest]\ntorchperf_report_only = true\ntorchperf_json = from-ini.json\n")
@@ -220,6 +224,7 @@ THREADS_PROBE = """
 """
 
 
+@pytest.mark.slow
 def test_xdist_workers_share_the_cores_and_a_timing_lock(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -233,6 +238,7 @@ def test_xdist_workers_share_the_cores_and_a_timing_lock(
     assert probe.startswith(f"threads: {expected} lock: ") and probe.endswith("timing.lock"), probe
 
 
+@pytest.mark.slow
 def test_user_thread_settings_are_respected(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     auto = max(1, (os.cpu_count() or 1) // 2)
     mine = 2 if auto != 2 else 1  # anything but what "auto" would pick (torch caps it at the cores)
@@ -242,6 +248,7 @@ def test_user_thread_settings_are_respected(pytester: pytest.Pytester, monkeypat
     assert (pytester.path / "probe.txt").read_text().startswith(f"threads: {mine} lock: ")
 
 
+@pytest.mark.slow
 def test_threads_option_pins_a_serial_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     # This suite may itself run under xdist, whose workers carry the session's lock: a serial run has none.

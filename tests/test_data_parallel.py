@@ -63,6 +63,7 @@ def test_data_parallel_built_before_the_run_is_caught_at_its_forward() -> None:
     assert check.figures["modules"] == [{"module": "DataParallel(Linear)", "forward_calls": 5, "device_ids": []}]
 
 
+@pytest.mark.slow
 def test_data_parallel_in_the_model_is_reported_even_unused(tmp_path) -> None:
     class Unused(Regressor):
         def __init__(self) -> None:

@@ -108,6 +108,7 @@ FAILED_START = """
 """
 
 
+@pytest.mark.slow
 def test_a_later_unmarked_test_sees_torch_s_own_functions_after_a_failed_start(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_failed_start=FAILED_START)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")

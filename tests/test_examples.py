@@ -28,6 +28,7 @@ def run_examples(path: Path, *pytest_args: str, env: dict[str, str] | None = Non
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suite", ["dataloaders", "step_checks", "seed_tips"])
 def test_example_suite_ends_as_its_test_names_say(suite: str) -> None:
     done = run_examples(EXAMPLES / suite)
@@ -50,6 +51,7 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_a_third_party_invariant_works_like_a_built_in_one(acme: dict[str, str], tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     done = run_examples(EXAMPLES / "custom_invariant" / "tests", f"--torchperf-json={report}", env=acme)
@@ -61,6 +63,7 @@ def test_a_third_party_invariant_works_like_a_built_in_one(acme: dict[str, str],
     assert check["status"] == "failed" and check["figures"]["copies_in_forward"] == 4
 
 
+@pytest.mark.slow
 def test_a_third_party_invariant_is_in_the_marker_signature_and_under_xdist(
     acme: dict[str, str], tmp_path: Path
 ) -> None:

@@ -90,8 +90,9 @@ def test_status_is_a_string_enum_written_as_its_value() -> None:
     from pytest_torchperf import FAILED, NOT_CHECKED, PASSED
 
     assert (PASSED, FAILED, NOT_CHECKED) == ("passed", "failed", "not checked")
-    result = CheckResult("x", Status.FAILED, "s")
-    assert type(result.to_dict()["status"]) is str
+    result = CheckResult("x", Status.FAILED, "s")  # a plug-in's member is kept as the plain string
+    assert type(result.status) is str and type(result.to_dict()["status"]) is str and result.failed
+    assert all(type(s) is str for s in (PASSED, FAILED, NOT_CHECKED))  # what travels to xdist's controller
 
 
 def test_two_plugins_declaring_one_setting_are_spelt_by_their_namespace() -> None:

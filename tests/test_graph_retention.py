@@ -237,6 +237,7 @@ def test_a_leak_in_a_plain_loop_fails_with_its_holder_line_and_growth(
     assert check.figures["retained_tensors_per_step"] == (round(1 / 8, 3) if pattern == "running_sum" else 1.0)
 
 
+@pytest.mark.slow
 def test_growth_counts_graph_nodes_and_the_saved_activations_a_leak_keeps(loops: tuple[Any, dict[str, int]]) -> None:
     module, _ = loops
     appended = check_of(module.losses_appended, STEPS)
@@ -277,6 +278,7 @@ def test_the_first_backward_pass_is_always_walked_then_the_cadence_adapts(loops:
     assert figures["steps_tracked"] == figures["backward_passes_sampled"]
 
 
+@pytest.mark.slow
 def test_a_leak_that_starts_late_is_found() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -348,6 +350,7 @@ def test_a_loop_that_updates_the_parameters_by_hand_is_judged_at_the_next_backwa
         assert "after a later backward pass had run" in "\n".join(check.findings[0].facts)
 
 
+@pytest.mark.slow
 def test_the_watch_leaves_torch_as_it_found_it(loops: tuple[Any, dict[str, int]]) -> None:
     module, _ = loops
     backward = torch.autograd._engine_run_backward
@@ -360,6 +363,7 @@ def test_the_watch_leaves_torch_as_it_found_it(loops: tuple[Any, dict[str, int]]
     assert not _global_optimizer_post_hooks
 
 
+@pytest.mark.slow
 def test_the_users_own_anomaly_mode_is_kept(loops: tuple[Any, dict[str, int]]) -> None:
     module, lines = loops
     with torch.autograd.set_detect_anomaly(True, check_nan=True):
@@ -385,6 +389,7 @@ def test_a_probe_failure_is_not_checked_and_the_loop_runs_on(
     )
 
 
+@pytest.mark.slow
 def test_a_graph_held_only_from_cpp_is_reported_without_a_holder() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -584,6 +589,7 @@ def fit(tmp_path: Path, model: Any, epochs: int = 2) -> CheckResult:
         ("EpochOutputs", "EpochOutputs.training_step_outputs: list of 3 tensors with autograd graphs, one per step (steps 1-3)"),
     ],
 )
+@pytest.mark.slow
 def test_a_leak_in_a_lightning_fit_fails_with_its_holder_and_line(
     modules: tuple[Any, dict[str, int], Path], tmp_path: Path, name: str, title: str
 ) -> None:
@@ -654,6 +660,7 @@ def test_loop_leaks(torchperf):
 '''
 
 
+@pytest.mark.slow
 def test_the_marker_fails_a_leaking_fit_and_reports_figures(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(test_suite=SUITE)
     result = user_models.runpytest(
@@ -690,6 +697,7 @@ def test_the_marker_fails_a_leaking_fit_and_reports_figures(user_models: pytest.
     assert props["test_fit_clean"][f"torchperf.{NAME}.steps_retained"] == "0"
 
 
+@pytest.mark.slow
 def test_a_local_of_the_test_is_named_while_it_is_alive(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(test_suite=SUITE)
     result = user_models.runpytest("-p", "no:warnings", "-k", "loop")

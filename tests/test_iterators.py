@@ -98,6 +98,7 @@ def test_deleting_the_iterator_is_caught(user_models: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*iterator deleted at test_del.py:9 in test_loop*", "*del loader._iterator"])
 
 
+@pytest.mark.slow
 def test_non_persistent_loader_over_several_epochs_fails_with_a_hint(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(
         test_np="""
@@ -148,6 +149,7 @@ def test_loaders_that_start_no_extra_pool_pass(user_models: pytest.Pytester, loa
     user_models.runpytest().assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_subclass_overriding_get_iterator_is_still_counted(user_models: pytest.Pytester) -> None:
     """Pools are counted where workers start, not in DataLoader._get_iterator."""
     user_models.makepyfile(
@@ -220,6 +222,7 @@ def test_lightning_fit_with_persistent_loaders_passes_sanity_check_included(user
     )
 
 
+@pytest.mark.slow
 def test_lightning_val_loader_without_persistent_workers_fails(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(
         test_val="""

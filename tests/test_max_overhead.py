@@ -762,6 +762,7 @@ def marked(source: str) -> str:
     return textwrap.dedent(source).replace("OTHERS_OFF", ", ".join(f"{k}={v}" for k, v in ONLY_OVERHEAD.items()))
 
 
+@pytest.mark.slow
 def test_clean_heavy_fit_passes_a_generous_threshold(heavy: pytest.Pytester) -> None:
     source = """
         import pytest
@@ -777,6 +778,7 @@ def test_clean_heavy_fit_passes_a_generous_threshold(heavy: pytest.Pytester) -> 
     result.stdout.re_match_lines([r".*max_overhead: passed \([+-]\d+\.\d% over vanilla loop \(95% CI .*\) < 100%\)"])
 
 
+@pytest.mark.slow
 def test_slow_hook_fails_at_30_percent_and_is_named_in_the_report(heavy: pytest.Pytester) -> None:
     source = """
         import pytest
@@ -991,6 +993,7 @@ def fit(tmp_path):
 '''
 
 
+@pytest.mark.slow
 def test_a_real_fit_with_a_tiny_round_budget_is_inconclusive_and_the_marker_says_what_that_does(
     pytester: pytest.Pytester,
 ) -> None:

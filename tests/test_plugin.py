@@ -206,6 +206,7 @@ def test_importing_the_package_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_watch_works_from_a_plain_script(tmp_path: pytest.TempPathFactory, user_models: pytest.Pytester) -> None:
     script = user_models.path / "script.py"
     script.write_text(
@@ -233,6 +234,7 @@ def test_watch_works_from_a_plain_script(tmp_path: pytest.TempPathFactory, user_
     assert "hint: pass persistent_workers=True" in out.stdout
 
 
+@pytest.mark.slow
 def test_xdist_gives_the_serial_verdicts_and_one_summary(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(
         test_many="""
@@ -264,6 +266,7 @@ def test_xdist_gives_the_serial_verdicts_and_one_summary(user_models: pytest.Pyt
     parallel.stdout.fnmatch_lines(["FAILED test_many.py::test_loop[[]False[]]*"])
 
 
+@pytest.mark.slow
 def test_lightning_imported_inside_the_test_is_observed(user_models: pytest.Pytester) -> None:
     """A Trainer imported after the watch started is patched on import, and unpatched after."""
     user_models.makepyfile(

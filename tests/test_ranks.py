@@ -345,6 +345,7 @@ def processes(test: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["process"]: r for r in test["runs"][0]["ranks"]}
 
 
+@pytest.mark.slow
 def test_mp_spawn_torchrun_and_lightning_ddp_spawn_ranks_under_xdist(
     pytester: pytest.Pytester, own_tmpdir: Path
 ) -> None:
@@ -402,6 +403,7 @@ def test_mp_spawn_torchrun_and_lightning_ddp_spawn_ranks_under_xdist(
     assert spawned["no_unused_parameters_search"]["status"] == "passed"
 
 
+@pytest.mark.slow
 def test_fabric_ddp_spawn_ranks_and_a_rank_that_raises(pytester: pytest.Pytester, own_tmpdir: Path) -> None:
     # The forking test runs first, in a process that has not started any torch.distributed store (a forked
     # child that inherits one can hang in its destructor: torch's hazard, with or without torchperf).
@@ -428,6 +430,7 @@ def test_fabric_ddp_spawn_ranks_and_a_rank_that_raises(pytester: pytest.Pytester
     result.stdout.fnmatch_lines(["        rank 1 (pid *) raised RuntimeError: rank 1 ran out of data at plain_ranks.py:*"])
 
 
+@pytest.mark.slow
 def test_lightning_and_fabric_ddp_rerun_the_test_in_each_rank(
     pytester: pytest.Pytester, own_tmpdir: Path
 ) -> None:
@@ -489,6 +492,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_a_script_watching_a_ddp_fit_gets_every_rank(pytester: pytest.Pytester, own_tmpdir: Path) -> None:
     # Lightning's ddp re-runs the script for rank 1; torchperf, imported by the script, reports from there.
     pytester.makepyfile(rank_models=MODELS, train_ddp=SCRIPT_WATCH)

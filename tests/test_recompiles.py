@@ -33,6 +33,7 @@ class Scaled(torch.nn.Module):
         return self.linear(x) * (self.level + 1)
 
 
+@pytest.mark.slow
 def test_an_int_attribute_changed_each_epoch_fails_a_lightning_fit(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(
         test_fit="""
@@ -101,6 +102,7 @@ def test_warm_up_recompiles_of_a_correct_fit_pass(tmp_path) -> None:
     assert check.summary.startswith(f"{check.figures['compiles']} compiles, no recompile after warm-up (")
 
 
+@pytest.mark.slow
 def test_recompile_limit_hit_fails_even_in_the_first_epoch() -> None:
     scaled = Scaled()
     compiled = torch.compile(scaled, backend="eager")
@@ -134,6 +136,7 @@ def test_recompile_limit_hit_fails_even_in_the_first_epoch() -> None:
     assert finding.sites[0].frame.source == "torch.nn.functional.mse_loss(compiled(x), y).backward()"
 
 
+@pytest.mark.slow
 def test_a_plain_loop_s_ragged_last_batch_fails_in_the_first_epoch_and_drop_last_passes() -> None:
     model = torch.nn.Linear(8, 1)
     compiled = torch.compile(model, backend="eager")
@@ -198,6 +201,7 @@ def test_guard_failure_reasons_are_parsed(reason: str, expected: tuple) -> None:
     assert parse_reason(reason) == expected
 
 
+@pytest.mark.slow
 def test_dynamo_imported_for_the_first_time_during_the_run_is_watched(pytester: pytest.Pytester) -> None:
     """In a fresh interpreter torch._dynamo is imported by the first torch.compile, inside the watched test."""
     pytester.makepyfile(

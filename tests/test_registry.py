@@ -130,6 +130,7 @@ def test_registering_a_taken_name_or_a_reserved_one_is_refused(registered: Invar
         register("no_such_thing")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_a_broken_third_party_entry_point_is_a_usage_error_naming_it(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -36,6 +36,7 @@ def battery(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BEHAVIOURS))
 def test_torch_behaves_the_same_watched_and_after_a_watch(battery: dict[str, Any], name: str) -> None:
     results = battery[name]
@@ -62,6 +63,7 @@ def _python(code: str, timeout: int = 300) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_torch_tables_first_built_inside_a_watch_hold_torch_own_functions() -> None:
     """``torch.device`` as a context manager and dynamo cache tables of torch's functions on first use."""
     out = _python(
@@ -130,6 +132,7 @@ def test_the_slot_layout_check_passes_on_this_interpreter() -> None:
 # -- multi-process launches ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_ddp_spawn_fit_runs_under_the_marker(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(
         test_spawn="""
@@ -210,6 +213,7 @@ def test_a_callback_can_deepcopy_pickle_and_save_the_module_mid_fit(user_models:
     result.assert_outcomes(passed=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_dataloader_workers_with_spawn_start_methods_run_under_the_marker(
     user_models: pytest.Pytester, context: str

@@ -88,6 +88,7 @@ def write_suite(pytester: pytest.Pytester, site: Path, dist_name: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_the_rootdir_project_installed_in_site_packages_is_your_code(pytester: pytest.Pytester, site_dir: Path) -> None:
     write_suite(pytester, site_dir, "mypkg-dist")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
@@ -102,6 +103,7 @@ def test_the_rootdir_project_installed_in_site_packages_is_your_code(pytester: p
     )
 
 
+@pytest.mark.slow
 def test_another_project_sees_it_as_a_library_unless_named(pytester: pytest.Pytester, site_dir: Path) -> None:
     write_suite(pytester, site_dir, "some-other-project")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
@@ -118,6 +120,7 @@ def test_another_project_sees_it_as_a_library_unless_named(pytester: pytest.Pyte
     result.stdout.fnmatch_lines(["*named by torchperf_user_packages"])
 
 
+@pytest.mark.slow
 def test_a_library_note_says_which_rule_classified_it(pytester: pytest.Pytester, site_dir: Path) -> None:
     write_suite(pytester, site_dir, "some-other-project")
     pytester.makepyfile(
@@ -154,6 +157,7 @@ def test_options_are_validated(pytester: pytest.Pytester, site_dir: Path, option
     result.stderr.fnmatch_lines([f"*{message}*"])
 
 
+@pytest.mark.slow
 def test_max_sync_rate_from_the_command_line_and_the_ini_file(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_rate="""
