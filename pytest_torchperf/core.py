@@ -59,7 +59,7 @@ EVENTS: dict[str, str] = {
     "on_batch_end": "(): that train batch ended",
     "on_collective": "(kind, nbytes, frame): a torch.distributed collective was called (probe collectives)",
     "on_ddp_buffers": "(ddp): DDP is about to broadcast its module buffers before a forward (probe collectives)",
-    "on_fsdp_forward": "(group): an FSDP2 parameter group ran its pre-forward (probe collectives)",
+    "on_fsdp_forward": "(group): an FSDP2 parameter group ran its pre-forward (probe fsdp)",
     "on_fsdp_reduce": "(group, reduces): an FSDP2 parameter group's post-backward (reduces: it reduce-scatters)",
 }
 
