@@ -62,7 +62,7 @@ EVENTS: dict[str, str] = {
     "on_batch_end": "(): that train batch ended",
     "on_collective": "(kind, nbytes, frame): a torch.distributed collective was called (probe collectives)",
     "on_ddp_buffers": "(ddp): DDP is about to broadcast its module buffers before a forward (probe collectives)",
-    "on_fsdp_forward": "(group): an FSDP2 parameter group ran its pre-forward (probe collectives)",
+    "on_fsdp_forward": "(group): an FSDP2 parameter group ran its pre-forward (probe fsdp)",
     "on_fsdp_reduce": "(group, reduces): an FSDP2 parameter group's post-backward (reduces: it reduce-scatters)",
     "on_data_parallel_used": "(module, function, stack): a torch.nn.DataParallel (subclass) driven through another "
     "method than DataParallel.forward (mmcv's train_step): its .module read there (stack: a callable)",

@@ -63,6 +63,8 @@ class SyncAccumulationCheck(Check):
         self.fsdp = False
         self._fsdp_forwards: dict[int, int] = {}
         self._fsdp_rounds: dict[int, int] = {}
+        #: Per entry of ``steps``: whether it was an FSDP2 step (no DDP round in it).
+        self._fsdp_steps: list[bool] = []
 
     def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
         self.context.on_trainer_call(trainer, model)
@@ -87,7 +89,7 @@ class SyncAccumulationCheck(Check):
             self.first_extra = until_user_frame(capture(3))
 
     # FSDP2 (``fully_shard``): each parameter group's forwards and reduce-scattering post-backwards
-    # (probe collectives); a step's micro-batches and rounds are those of its busiest group.
+    # (probe fsdp); a step's micro-batches and rounds are those of its busiest group.
     def on_fsdp_forward(self, group: Any) -> None:
         torch = self._torch
         if torch is None:
@@ -106,16 +108,25 @@ class SyncAccumulationCheck(Check):
             self.first_extra = until_user_frame(capture(3))
 
     def on_optimizer_step(self, optimizer: Any) -> None:
-        micro = max(self.micro_batches, max(self._fsdp_forwards.values(), default=0))
-        rounds = max(self.rounds, max(self._fsdp_rounds.values(), default=0))
+        fsdp_micro = max(self._fsdp_forwards.values(), default=0)
+        fsdp_rounds = max(self._fsdp_rounds.values(), default=0)
+        micro = max(self.micro_batches, fsdp_micro)
+        rounds = max(self.rounds, fsdp_rounds)
         if micro or rounds:
             self.steps.append((micro, rounds))
+            self._fsdp_steps.append(bool(fsdp_micro or fsdp_rounds) and not self.rounds)
         self.micro_batches = self.rounds = 0
         self._fsdp_forwards.clear()
         self._fsdp_rounds.clear()
 
     def result(self) -> CheckResult:
         steps = self.steps
+        fsdp_only = False
+        if any(self._fsdp_steps):
+            ddp_extra = any(r > 1 for (_, r), f in zip(steps, self._fsdp_steps) if not f)
+            if not ddp_extra:  # judge FSDP2's steps (DDP's, if any, were fine), in FSDP2's words
+                steps = [s for s, f in zip(steps, self._fsdp_steps) if f]
+                fsdp_only = True
         micro = sum(m for m, _ in steps)
         rounds = sum(r for _, r in steps)
         extra = sum(max(r - 1, 0) for _, r in steps)
@@ -138,7 +149,7 @@ class SyncAccumulationCheck(Check):
             return CheckResult(NAME, NOT_CHECKED, why, 0, [], figures)
         per_step = f"{micro / len(steps):g} micro-batches" if micro != len(steps) else "1 micro-batch"
         if not extra:
-            sync = "reduce-scatter" if self.fsdp and not self.forwards else "all-reduce"
+            sync = "reduce-scatter" if fsdp_only else "all-reduce"
             return CheckResult(
                 NAME, PASSED,
                 f"at most 1 {sync} per optimizer step over {plural(len(steps), 'step')} ({per_step} each)",
@@ -156,7 +167,7 @@ class SyncAccumulationCheck(Check):
         if self.grad_bytes:
             facts.append(f"each round all-reduces {_bytes(self.grad_bytes)} of gradients: {_bytes(self.grad_bytes * extra)} sent for nothing")
         sites = [Site("an extra all-reduce armed by this forward", self.first_extra)] if self.first_extra else []
-        if self.fsdp and not self.forwards:
+        if fsdp_only:
             sites = [Site("an extra reduce-scatter after this backward", self.first_extra)] if self.first_extra else []
             facts[0] = facts[0].replace("all-reduced the gradients", "reduce-scattered the gradients (FSDP2)")
             finding = Finding(
@@ -205,5 +216,5 @@ INVARIANT = Invariant(
     check=SyncAccumulationCheck,
     kind=Flag(),
     default=False,
-    probes=("ddp", "optimizers", "collectives"),
+    probes=("ddp", "optimizers", "fsdp"),
 )

@@ -10,14 +10,12 @@ Patched while a run needs it, all undone with the probe:
   runs ``all_gather``) is the outer one's, counted once;
 - ``DistributedDataParallel._sync_buffers``: ``on_ddp_buffers(ddp)`` before DDP broadcasts its module
   buffers from rank 0 (a forward with ``broadcast_buffers=True``; the broadcast itself is C++);
-- FSDP2 (``torch.distributed.fsdp.fully_shard``), when its module is imported:
-  ``FSDPParamGroup.pre_forward`` sends ``on_fsdp_forward(group)`` and ``post_backward`` sends
-  ``on_fsdp_reduce(group, reduces)`` (``reduces``: it reduce-scatters the gradients now, i.e. the module was
-  not told ``set_requires_gradient_sync(False)``).
+- FSDP2's own all-gathers and reduce-scatters are ``torch.distributed`` calls: counted as the others (its
+  parameter groups' forwards and backwards are the probe :mod:`pytest_torchperf.probes.fsdp`).
 
 DDP's gradient all-reduce runs in its C++ reducer: it is seen by the ``ddp`` probe (``on_ddp_armed``, one
-round per backward). What it costs: one Python call and a few attribute reads per collective, per DDP
-forward and per FSDP2 group call; nothing per tensor op.
+round per backward). What it costs: one Python call and a few attribute reads per collective and per DDP
+forward; nothing per tensor op.
 """
 
 from __future__ import annotations
@@ -52,9 +50,6 @@ KINDS: dict[str, tuple[str, int]] = {
     "reduce_scatter_single": ("reduce_scatter", 1),
     "_reduce_scatter_base": ("reduce_scatter", 1),
 }
-
-_FSDP_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
-
 
 def tensor_bytes(value: Any) -> int:
     """Bytes of a tensor or of a list of tensors (0 for anything else)."""
@@ -137,40 +132,6 @@ class CollectivesProbe(Probe):
             patcher.wrap(DistributedDataParallel, "_sync_buffers", wrap_sync_buffers)
         else:  # pragma: no cover - a torch without it
             self.unavailable["ddp_buffers"] = "this torch's DDP buffer broadcast cannot be observed"
-        patcher.on_import(_FSDP_GROUP, lambda module: self._patch_fsdp(patcher, module))
-
-    def _patch_fsdp(self, patcher: "Patcher", module: Any) -> None:
-        group = getattr(module, "FSDPParamGroup", None)
-        methods = vars(group) if group is not None else {}
-        if not callable(methods.get("post_backward")) or not callable(methods.get("pre_forward")):
-            self.unavailable["fsdp"] = "this torch's FSDP2 parameter groups cannot be observed"
-            return
-        flags = FLAGS
-        notify = core.notify
-        is_compiling = is_compiling_function()
-
-        def wrap_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
-            def pre_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-                __tracebackhide__ = True
-                if not is_compiling() and flags.active:
-                    notify("on_fsdp_forward", self)
-                return original(self, *args, **kwargs)
-
-            return pre_forward
-
-        def wrap_post_backward(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
-            def post_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
-                __tracebackhide__ = True
-                if not is_compiling() and flags.active:
-                    notify("on_fsdp_reduce", self, bool(getattr(self, "reduce_grads", True)))
-                return original(self, *args, **kwargs)
-
-            return post_backward
-
-        patcher.wrap(group, "pre_forward", wrap_pre_forward)
-        patcher.wrap(group, "post_backward", wrap_post_backward)
 
 
 PROBE = CollectivesProbe()
