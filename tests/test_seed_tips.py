@@ -82,7 +82,7 @@ def test_marker_signature_lists_the_new_arguments(pytester: pytest.Pytester) -> 
         [
             "@pytest.mark.torchperf(*max_overhead=None, min_workers=None, pin_memory=False, no_empty_cache=False, "
             "no_data_parallel=True, grads_set_to_none=False, no_recompiles=False, mixed_precision=False, "
-            "*scope='training_step'*recompile_warmup_steps=None)*"
+            "*scope='training_step'*recompile_warmup_steps=None*)*"
         ]
     )
 
