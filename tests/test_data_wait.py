@@ -318,7 +318,8 @@ def test_spawned_workers_run_unpatched_and_the_target_verdict_says_what_it_could
 
 @pytest.mark.slow
 def test_the_figures_hold_under_xdist_with_two_workers(user_models: pytest.Pytester) -> None:
-    """Two tests at once, each loader sleeping 20 ms a batch: both measure 20 ms, give or take what load adds."""
+    """Two tests at once, each loader sleeping 20 ms a batch: both measure 20 ms, plus what load adds (a loaded
+    machine delays a sleeping process's wake-up: up to 4x was seen with the whole suite running beside it)."""
     user_models.makepyfile(sleepy=SLEEPY)
     user_models.makepyfile(
         test_pair="""
@@ -329,7 +330,8 @@ def test_the_figures_hold_under_xdist_with_two_workers(user_models: pytest.Pytes
         @pytest.mark.parametrize("workers", [0, 2])
         def test_loop(torchperf, workers):
             options = dict(num_workers=workers, persistent_workers=True, multiprocessing_context="fork")
-            with torchperf.watch(max_data_wait=0.2, no_host_sync=False, on_device=False) as run:
+            limit = 0.2 if workers == 0 else 1.0  # the figures are under test, not the verdict of the second
+            with torchperf.watch(max_data_wait=limit, no_host_sync=False, on_device=False) as run:
                 loader = DataLoader(SleepyDataset(n=16), batch_size=4, **(options if workers else {}))
                 train(run, loader, step_s=0.001 if workers == 0 else 0.06)
         """
@@ -339,8 +341,8 @@ def test_the_figures_hold_under_xdist_with_two_workers(user_models: pytest.Pytes
     tests = json.loads((user_models.path / "out.json").read_text())["tests"]
     by_id = {t["nodeid"]: t["runs"][0]["checks"]["max_data_wait"]["figures"]["loaders"][0] for t in tests}
     alone = by_id["test_pair.py::test_loop[0]"]
-    assert 0.019 <= alone["dataset_s_per_batch"] <= 0.1  # 4 x 5 ms, whatever the other process does
-    assert 0.019 <= alone["wait_per_batch_s"] <= 0.1
+    assert 0.019 <= alone["dataset_s_per_batch"] <= 0.2  # 4 x 5 ms, whatever the other process does
+    assert alone["dataset_s_per_batch"] <= alone["wait_per_batch_s"] <= 0.2
     pooled = by_id["test_pair.py::test_loop[2]"]
-    assert 0.019 <= pooled["worker_s_per_batch"] <= 0.1
-    assert pooled["data_wait"] < 0.2
+    assert 0.019 <= pooled["worker_s_per_batch"] <= 0.2  # measured in the workers of the other xdist process
+    assert pooled["batches_per_s_from"] == "workers" and pooled["batches"] == 6

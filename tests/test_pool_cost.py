@@ -50,7 +50,8 @@ def test_each_rebuilt_pool_is_measured_in_seconds_and_as_a_share_of_the_run() ->
     assert first.count("(pass ") == 3
     line = next(f for f in finding.facts if f.startswith("3 worker pools started; 2 rebuilt, "))
     found = re.match(r"3 worker pools started; 2 rebuilt, ([\d.]+ m?s) each \((\d+)% of the watched run\): "
-                     r"([\d.]+ m?s) lost \(from the start of each pass to its first batch, which it includes\)$", line)
+                     r"([\d.]+ m?s) lost \(each from the start of its pass to its first batch, "
+                     r"that batch's own loading included\)$", line)
     assert found, line
     each, lost = seconds(found.group(1).replace(" ", "")), seconds(found.group(3).replace(" ", ""))
     share = int(found.group(2))

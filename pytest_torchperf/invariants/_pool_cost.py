@@ -93,7 +93,7 @@ def pool_cost(
     if baseline is not None:
         line += f" (a pass that reused its pool reached its first batch in {fmt(baseline)})"
     else:
-        line += " (from the start of each pass to its first batch, which it includes)"
+        line += " (each from the start of its pass to its first batch, that batch's own loading included)"
     return line, figures
 
 
