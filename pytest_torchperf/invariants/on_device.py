@@ -297,7 +297,8 @@ class DevicePlacementCheck(Check):
         sites = []
         if birth is not None and birth.site is not None and copy.op == DATA:
             data = "<numpy array>" if birth.array is not None else "<python data>"
-            made = made_by(birth).replace("(...)", f"({data}, device=...)" if birth.factory != "new_tensor" else f"({data})")
+            spelled = f"({data}, device=...)" if birth.factory != "new_tensor" else f"({data})"
+            made = made_by(birth).replace("(...)", spelled)
             title = f"{note}{made} copies host memory to the device in {copy.mover.function}: {freq}"
             facts.append(f"at {birth.site.location()}: {birth.site.source}")
             facts.append(

@@ -236,7 +236,8 @@ class TensorsProbe(HostRegistry, Probe):
                 # .to("cpu") written out: a host target on purpose, not a move to the device (a host-built
                 # tensor moved to a variable that holds "cpu" here is moved to the training device)
                 target = None
-            if birth is None and flags.in_scope and self._version == 0 and probe.legacy_to(self, out, args, kwargs, frame):
+            fresh = birth is None and flags.in_scope and self._version == 0
+            if fresh and probe.legacy_to(self, out, args, kwargs, frame):
                 return
             if birth is None or (birth.moved and not flags.in_scope):
                 if target is None:
