@@ -296,7 +296,7 @@ def test_plain_loops_get_plain_pytorch_hints(tmp_path: Path) -> None:
     hint = report["no_host_sync"].findings[0].hint
     assert "self.log" not in hint
     assert "accumulate it with tensor ops (`total += loss.detach()`)" in hint
-    assert "a periodic sync: a note, not a failure (max_sync_rate=0.1)" in hint
+    assert "(that periodic sync is a note, not a failure, at max_sync_rate=0.1)" in hint
 
 
 # -- scope="test": the wording, and framework syncs at the framework's line -----------------------------

@@ -126,19 +126,21 @@ class _Copy(PerStep):
         birth = event.birth
         array = birth.array if birth is not None else None
         content = birth.content if birth is not None and birth.data not in _CONSTANT_DATA else None
-        if content is not None:
-            # The data itself decides: new values at a move are input data, the same values a constant.
+        if array is not None:
+            # A numpy array: a new one at a move is input data (an environment's step may well return the same
+            # values), the very same one a constant.
+            if self._array is None:
+                self._array = array
+            elif self._array() is None or self._array() is not array():
+                self.fresh_input = True
+        elif content is not None:
+            # Python data (a new list every time): its values decide, new ones input data, the same a constant.
             if self._content is None:
                 self._content = content
             elif content != self._content:
                 self.fresh_input = True
             else:
                 self.same_content = True
-        elif array is not None:
-            if self._array is None:
-                self._array = array
-            elif self._array() is None or self._array() is not array():
-                self.fresh_input = True
         self.real = self.real or event.real_copy
         self.built_in_step = self.built_in_step or built_in_step
         tensor = event.tensor
@@ -294,7 +296,9 @@ class DevicePlacementCheck(Check):
         facts = []
         sites = []
         if birth is not None and birth.site is not None and copy.op == DATA:
-            made = made_by(birth).replace("(...)", "(<python data>, device=...)" if birth.factory != "new_tensor" else "(<python data>)")
+            data = "<numpy array>" if birth.array is not None else "<python data>"
+            spelled = f"({data}, device=...)" if birth.factory != "new_tensor" else f"({data})"
+            made = made_by(birth).replace("(...)", spelled)
             title = f"{note}{made} copies host memory to the device in {copy.mover.function}: {freq}"
             facts.append(f"at {birth.site.location()}: {birth.site.source}")
             facts.append(

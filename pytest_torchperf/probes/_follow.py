@@ -87,6 +87,11 @@ SKIP_FUNCTIONS = frozenset((
     "movedim", "moveaxis", "swapaxes", "swapdims", "conj", "resolve_conj", "resolve_neg", "adjoint",
     "hsplit", "vsplit", "dsplit", "dropout", "feature_dropout", "alpha_dropout", "relu", "layer_norm",
     "batch_norm", "group_norm", "instance_norm", "embedding", "conv1d", "conv2d", "conv3d",
+    # Kept by reference in objects that get pickled (torchmetrics' and Lightning's ``dist_reduce_fx=torch.sum``):
+    # a wrapper installed after such an object was built would make pickle refuse it. Their Tensor methods
+    # (``t.sum()``) are followed.
+    "sum", "mean", "max", "min", "prod", "std", "var", "amax", "amin", "argmax", "argmin", "logsumexp",
+    "median", "nansum", "nanmean", "all", "any", "cumsum", "cumprod",
 ))
 
 

@@ -99,8 +99,8 @@ class Birth:
     #: A weak reference to the numpy array the tensor was made from (``torch.from_numpy(a)``,
     #: ``torch.as_tensor(a)``), None otherwise: a new array at every move is input data, the same one a constant.
     array: Any = None
-    #: A fingerprint of the data it was made from (small arrays and python sequences, built in a step), None
-    #: otherwise: data that changes from step to step is input data, the same data every step a constant.
+    #: A fingerprint of the python data it was made from (a sequence of numbers, built in a step), None otherwise:
+    #: data that changes from step to step is input data, the same data every step a constant.
     content: Optional[int] = None
     #: The factory copied a numpy array on the host (``torch.tensor(a)``, ``torch.Tensor(a)``): moving the result
     #: copies it a second time, where ``torch.as_tensor(a, device=dev)`` copies once.
@@ -436,19 +436,15 @@ def _is_ndarray(data: Any) -> bool:
 
 
 def describe_data(birth: Birth, data: Any, copies: bool) -> None:
-    """What ``birth`` was made from: the numpy array (a weak reference), whether the factory copied it
-    (``copies``), and, in a step, a fingerprint of small data (see :attr:`Birth.content`)."""
+    """What ``birth`` was made from: the numpy array (a weak reference; a new one at each move is input data)
+    and whether the factory copied it (``copies``), or, in a step, a fingerprint of python data (a new list every
+    time: its values tell input data from a constant, see :attr:`Birth.content`)."""
     if _is_ndarray(data):
         try:
             birth.array = weakref.ref(data)
         except TypeError:  # pragma: no cover - an array type without weak references
             pass
         birth.copied = copies
-        if FLAGS.in_scope and getattr(data, "nbytes", 1 << 30) <= 1 << 16:
-            try:
-                birth.content = hash((data.shape, str(data.dtype), data.tobytes()))
-            except Exception:  # noqa: BLE001 - an array that cannot give its bytes
-                pass
     elif FLAGS.in_scope and isinstance(data, (list, tuple)) and 0 < len(data) <= 4096:
         flat: list[Any] = []
         stack = [data]

@@ -97,6 +97,8 @@ class TensorsProbe(HostRegistry, Probe):
         self.legacy = _propagate.LegacySites(_propagate.MOVES)
         self.legacy_fills = _propagate.LegacySites(_propagate.INITIALIZERS)
         self.legacy_arguments = _inputs.LegacyArgument()
+        #: id(code) -> (code, instruction offsets of moves whose line shows no legacy constructor).
+        self._plain: dict[int, tuple[Any, set[int]]] = {}
         self.cpu_literals = _propagate.CpuLiterals()
 
     def reset(self) -> None:
@@ -105,6 +107,7 @@ class TensorsProbe(HostRegistry, Probe):
         self.legacy.clear()
         self.legacy_fills.clear()
         self.legacy_arguments.clear()
+        self._plain.clear()
         self.cpu_literals.clear()
 
     def writes_cpu(self, frame: Optional[FrameType]) -> bool:
@@ -132,10 +135,28 @@ class TensorsProbe(HostRegistry, Probe):
         self.tell(Move(op, tensor, birth, True, target, frame, real))
         return True
 
+    def _plain_move(self, frame: FrameType) -> bool:
+        """Whether the line moving a tensor at ``frame`` shows no legacy constructor: read once per line, then
+        answered by the instruction offset (cheaper than the line number) for every batch moved there."""
+        code = frame.f_code
+        entry = self._plain.get(id(code))
+        if entry is not None and entry[0] is code and frame.f_lasti in entry[1]:
+            return True
+        if self.legacy.at(frame) is not None:
+            return False
+        if entry is None or entry[0] is not code:
+            if len(self._plain) > 5000:
+                self._plain.clear()
+            entry = self._plain[id(code)] = (code, set())
+        entry[1].add(frame.f_lasti)
+        return True
+
     def legacy_to(self, tensor: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                   frame: Optional[FrameType]) -> bool:
         """``.to(device)`` in a step of a fresh tensor the registry does not know: a legacy constructor given
         data (``torch.Tensor(next_obs).to(dev)``)? Told if so, with the data it was given."""
+        if frame is None or self._plain_move(frame):
+            return False
         target = self.target_of_to(args, kwargs)
         if target is None or (is_cpu_string(target) and self.writes_cpu(frame)):
             return False
@@ -214,7 +235,8 @@ class TensorsProbe(HostRegistry, Probe):
                 # .to("cpu") written out: a host target on purpose, not a move to the device (a host-built
                 # tensor moved to a variable that holds "cpu" here is moved to the training device)
                 target = None
-            if birth is None and flags.in_scope and self._version == 0 and probe.legacy_to(self, out, args, kwargs, frame):
+            fresh = birth is None and flags.in_scope and self._version == 0
+            if fresh and probe.legacy_to(self, out, args, kwargs, frame):
                 return
             if birth is None or (birth.moved and not flags.in_scope):
                 if target is None:
