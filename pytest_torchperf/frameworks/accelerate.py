@@ -8,9 +8,9 @@ are synchronised (``accelerator.accumulate(model)`` / ``sync_gradients``), so
 with gradient accumulation one optimizer step is one step. ``no_sync``
 (``accelerator.accumulate`` under DDP) is DDP's own and is seen by
 ``no_sync_accumulation`` as in any loop. Ranks started with
-``accelerate.debug_launcher`` / ``notebook_launcher`` go through
-``torch.multiprocessing.start_processes``, which :mod:`pytest_torchperf.ranks`
-watches.
+``accelerate.debug_launcher`` go through ``torch.multiprocessing.start_processes``,
+which :mod:`pytest_torchperf.ranks` watches (``notebook_launcher`` uses torch's
+``elastic_launch`` with a function, which starts them there too).
 
 Frames in ``accelerate`` are the framework's (notes, not failures).
 """
