@@ -35,6 +35,7 @@ import json
 import os
 import re
 import tempfile
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .constants import TRACE_STEPS
@@ -49,6 +50,8 @@ STEPS = TRACE_STEPS
 #: At most this many ranges are marked per finding.
 MAX_MARKS = 50
 
+#: The traces started, while they live.
+_LIVE: "weakref.WeakSet[StepTrace]" = weakref.WeakSet()
 _PY_EVENT = re.compile(r"^(?P<path>.*)\((?P<line>\d+)\): (?P<function>.+)$")
 
 
@@ -57,6 +60,11 @@ def trace_filename(nodeid: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", nodeid).strip("_")
     digest = hashlib.sha1(nodeid.encode("utf-8")).hexdigest()[:8]
     return f"{safe[:120]}-{digest}.pt.trace.json"
+
+
+def recording() -> bool:
+    """Whether a trace of torchperf's own is recording now (``no_debug_modes`` does not count its profiler)."""
+    return any(t._prof is not None and not t._done and t.error is None for t in _LIVE)
 
 
 class StepTrace:
@@ -100,6 +108,7 @@ class StepTrace:
             prof = profile(activities=activities, schedule=self._schedule, on_trace_ready=self._ready, with_stack=True)
             prof.start()
             self._prof = prof
+            _LIVE.add(self)
             self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
             self._guard(torch)
         except Exception as exc:  # a trace is a help, never a reason for the test to fail

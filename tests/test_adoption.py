@@ -372,7 +372,7 @@ def test_a_test_running_its_own_profiler_is_left_alone(pytester: pytest.Pytester
     result.stdout.fnmatch_lines(
         [
             "*_ test_profiles_inside _*",
-            "torchperf: 1 invariant broken: no_host_sync*",
+            "torchperf: 2 invariants broken: no_host_sync*; no_debug_modes (the autograd profiler on in 2 steps)",
             "torchperf trace: not written: the test started a profiler of its own",
             "*_ test_profiled_by_a_fixture _*",
             "torchperf trace: not written: a profiler was already running",

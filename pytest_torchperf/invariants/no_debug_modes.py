@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from .. import trace
 from ..arguments import Argument, Flag
 from ..core import Check
 from ..probes import debug_modes
@@ -91,7 +92,7 @@ class DebugModesCheck(Check):
         self.steps += 1
         if self._anomaly() and self._graphs._restore is None:  # not torchperf's own creation trace
             self._on("anomaly")
-        if self._profiler():
+        if self._profiler() and not trace.recording():  # not torchperf's own --torchperf-trace
             self._on("profiler")
         if self._deterministic():
             self._on("deterministic")

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 NAME = "no_recompiles"
 
 #: Guards on the mode the code runs in: the first compile of each mode is warm-up.
-_MODE_GUARDS = ("GLOBAL_STATE changed", "grad_mode", "autocast", ".training", "is_grad_enabled", "is_inference")
+_MODE_GUARDS = re.compile(r"GLOBAL_STATE changed|grad_mode|autocast|\.training\b|is_grad_enabled|is_inference")
 _SIZE = re.compile(r"size mismatch at index (?P<dim>\d+)\. expected (?P<expected>\d+), actual (?P<actual>\d+)")
 _COMPILE_ID = re.compile(r"^\s*\[?\d+/\d+\]?\s*:\s*")
 _HINT = re.compile(r"\s*\(HINT:\s*(?P<hint>.*)\)\s*$")
@@ -86,7 +86,7 @@ class _Recompile:
 
 
 def _mode_change(guard: str) -> bool:
-    return any(word in guard for word in _MODE_GUARDS)
+    return _MODE_GUARDS.search(guard) is not None
 
 
 def parse_reason(reason: str) -> tuple[str, str, str]:
