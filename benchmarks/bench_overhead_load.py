@@ -158,7 +158,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpus": cpus, "hogs": n_hogs, "threshold": THRESHOLD, "runs": results}, f, indent=1)
-    return status
+    return 0 if args.smoke else status
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ if [ "$#" -eq 0 ] && [ "${TORCHPERF_COMPAT:-1}" != 0 ]; then
   echo; echo "=== The package: sdist and wheel, installed in a fresh environment"
   bash scripts/check-package.sh || status=1
   bash scripts/run-compat.sh || status=1
+  echo; echo "=== The benchmarks, each in its --smoke setting"
+  bash scripts/bench-smoke.sh || status=1
   echo; echo "=== The test suite"
 fi
 rc=0
