@@ -168,8 +168,9 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     fit = build(args.workers, args.batches)
-    print(f"tiny Lightning fit, 2 epochs x {args.batches} steps, num_workers={args.workers}, threads={args.threads}, "
-          f"{args.rounds} rounds (+1 warm-up), torch {torch.__version__}")
+    if not args.worker:  # a worker's stdout is the protocol
+        print(f"tiny Lightning fit, 2 epochs x {args.batches} steps, num_workers={args.workers}, threads={args.threads}, "
+              f"{args.rounds} rounds (+1 warm-up), torch {torch.__version__}")
     if args.worker:
         import sys
 
