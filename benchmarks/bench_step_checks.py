@@ -15,9 +15,7 @@ Variants, timed in one process over the same model and data:
 - ``B``  the same with the default ``watch()``: every default invariant
   (the budget line: what a user pays for the defaults together);
 - ``C``  default ``watch()`` without ``run.step()``: the probes installed, no
-  step in scope (what code outside the steps pays);
-- ``O``  (with ``--ops``) ``B`` plus ``max_ops_per_step`` (opt-in): every ATen op of
-  every step counted by a dispatch mode (the warm-up steps excluded, as in a test).
+  step in scope (what code outside the steps pays).
 
 Each step is timed alone and a block's time is its median step (a step
 preempted by another process is an outlier the median ignores). Each round
@@ -41,11 +39,23 @@ Workloads:
 
 Every step moves its batch with ``.to(device)``, as a real loop does.
 
-    python benchmarks/bench_step_checks.py [--rounds 21] [--reps 3] [--workload all] [--ops] [--smoke]
+- ``I``  (with ``--invariants name,name=value``) exactly those invariants, every
+  other one off, every step marked: what a new invariant costs on its own, or
+  the defaults plus it (``--invariants defaults,no_graph_retention``).
 
-``--smoke``: 2 rounds of 1 block of the op-bound SGD workload (a CI check that it runs; no verdict).
+``--against PATH`` runs the same rounds in a second process on another checkout
+of the package (the previous release: ``git archive <commit> | tar -x -C PATH``),
+the two processes' rounds interleaved, so both releases' ratios come from one
+run on one machine state. ``--clock cpu`` times each step in the thread's CPU
+time instead of wall time (a step preempted by another process then costs
+nothing extra: for a machine shared with other work). ``--smoke``: a tiny setting
+for CI.
 
-Exit status 1 when a median S/A ratio is over its budget.
+    python benchmarks/bench_step_checks.py [--rounds 21] [--reps 5] [--workload all]
+    python benchmarks/bench_step_checks.py --invariants defaults,no_graph_retention --workload op-bound-sgd
+    python benchmarks/bench_step_checks.py --against /tmp/prev --clock cpu
+
+Exit status 1 when a median S/A or B/A ratio is over its budget (S only on the budget line before).
 """
 
 from __future__ import annotations
@@ -55,7 +65,9 @@ import statistics
 import time
 from typing import Any, Callable
 
-BUDGETS = {"op-bound-sgd": 1.05, "op-bound-adam": 1.05, "op-bound-residual": 1.05, "compute-bound": 1.02}
+BUDGETS = {"op-bound-sgd": 1.02, "op-bound-adam": 1.02, "op-bound-residual": 1.02, "compute-bound": 1.02}
+#: The clock each step is timed with: wall time, or the thread's CPU time (``--clock cpu``).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def build(kind: str) -> tuple[Callable[[], object], int]:
@@ -116,7 +128,12 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def interleaved(
-    step: Callable[[], object], n: int, rounds: int, reps: int, variants_of: Callable[..., dict[str, Callable[[], float]]]
+    step: Callable[[], object],
+    n: int,
+    rounds: int,
+    reps: int,
+    variants_of: Callable[..., dict[str, Callable[[], float]]],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """Each variant's median step time per round, the variants run interleaved (see the module's docstring).
 
@@ -124,11 +141,26 @@ def interleaved(
     steps of a step generator, ``plain_steps()`` runs ``step``, ``watched_steps(run)`` runs it inside
     ``run.step()``.
     """
+    one_round = round_runner(step, n, reps, variants_of, clock)
+    one_round(0)  # warm-up
+    times: dict[str, list[float]] = {}
+    for r in range(1, rounds + 1):
+        for name, value in one_round(r).items():
+            times.setdefault(name, []).append(value)
+    return times
+
+
+def round_runner(
+    step: Callable[[], object],
+    n: int,
+    reps: int,
+    variants_of: Callable[..., dict[str, Callable[[], float]]],
+    clock: Callable[[], float] = time.perf_counter,
+) -> Callable[[int], dict[str, float]]:
+    """``one_round(r)``: every variant ``reps`` times, in an order rotated by ``r``; each variant's median block."""
     warm = max(n // 20, 1)
     for _ in range(max(n * 3, 20)):
         step()
-
-    clock = time.perf_counter
 
     def block(steps: object) -> float:
         """The median time of one step over ``n`` steps, each timed alone (a step preempted by another
@@ -154,21 +186,46 @@ def interleaved(
 
     variants = variants_of(block, plain_steps, watched_steps)
     names = list(variants)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds + 1):
+
+    def one_round(r: int) -> dict[str, float]:
         samples: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(reps):
             shift = (r + rep) % len(names)
             for name in names[shift:] + names[:shift]:
                 samples[name].append(variants[name]())
-        if r == 0:
-            continue  # warm-up
-        for name in names:
-            times[name].append(statistics.median(samples[name]))
-    return times
+        return {name: statistics.median(samples[name]) for name in names}
+
+    return one_round
 
 
-def measure(kind: str, rounds: int, reps: int, ops: bool = False) -> dict[str, object]:
+def chosen_invariants(spec: str) -> dict[str, Any]:
+    """``watch()`` arguments for ``--invariants``: the named invariants on, every other one off.
+
+    ``name`` turns a flag invariant on, ``name=value`` gives its value (``max_memory_growth=0.1``),
+    ``defaults`` stands for the invariants on by default.
+    """
+    import ast
+
+    from pytest_torchperf import registry
+    from pytest_torchperf.options import Options
+
+    known = registry.invariants()
+    wanted: dict[str, Any] = {}
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        if item == "defaults":
+            wanted.update({name: True for name in Options().enabled_checks})
+            continue
+        name, _, value = item.partition("=")
+        if name not in known:
+            raise SystemExit(f"--invariants: no invariant {name!r} (known: {', '.join(known)})")
+        wanted[name] = ast.literal_eval(value) if value else True
+    off = {name: None if known[name].default is None else False for name in Options().enabled_checks}
+    return {**off, **wanted}
+
+
+def variants_for(invariants: Any = None) -> Callable[..., dict[str, Callable[[], float]]]:
     from pytest_torchperf import watch
 
     def variants(block: Any, plain_steps: Any, watched_steps: Any) -> dict[str, Callable[[], float]]:
@@ -190,77 +247,163 @@ def measure(kind: str, rounds: int, reps: int, ops: bool = False) -> dict[str, o
             ) as run:
                 return block(watched_steps(run))
 
-        def counted() -> float:
-            # count_warmup_steps=0: the block's untimed warm-up steps already are its warm-up.
-            with watch(max_ops_per_step=10**9, count_warmup_steps=0) as run:
-                return block(watched_steps(run))
-
         out = {"A": plain, "A'": plain, "S": step_checks_only, "B": watched, "C": installed}
-        if ops:
-            out["O"] = counted
+        if invariants is not None:
+
+            def chosen() -> float:
+                with watch(**invariants) as run:
+                    return block(watched_steps(run))
+
+            out["I"] = chosen
         return out
 
-    step, n = build(kind)
-    times = interleaved(step, n, rounds, reps, variants)
-    ratios = {
-        f"{name}/A": [b / a for b, a in zip(times[name], times["A"])]
-        for name in ("S", "B", "C", "A'") + (("O",) if ops else ())
-    }
+    return variants
+
+
+RATIOS = ("S", "B", "C", "I", "A'")
+
+
+def summarise(times: dict[str, list[float]]) -> dict[str, object]:
+    ratios = {f"{name}/A": [b / a for b, a in zip(times[name], times["A"])] for name in RATIOS if name in times}
     return {
         "median_us": {name: statistics.median(v) * 1e6 for name, v in times.items()},
         "ratios": {name: quartiles(v) for name, v in ratios.items()},
     }
 
 
+def measure(
+    kind: str, rounds: int, reps: int, invariants: Any = None, clock: str = "wall", steps: int = 0
+) -> dict[str, object]:
+    step, n = build(kind)
+    times = interleaved(step, steps or n, rounds, reps, variants_for(invariants), CLOCKS[clock])
+    return summarise(times)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=21, help="timed rounds (after one warm-up round)")
     parser.add_argument("--reps", type=int, default=5, help="blocks per variant per round (their median is kept)")
-    parser.add_argument("--workload", choices=("all", *BUDGETS), default="all")
-    parser.add_argument("--ops", action="store_true", help="also time max_ops_per_step (opt-in op counting): O")
-    parser.add_argument("--smoke", action="store_true", help="a tiny run (2 rounds, 1 block, op-bound-sgd)")
+    parser.add_argument("--workload", choices=("all", "op-bound", *BUDGETS), default="all")
+    parser.add_argument(
+        "--invariants",
+        help="variant I: exactly these invariants (name or name=value, comma-separated; 'defaults' for the default ones)",
+    )
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall", help="time steps in wall or thread CPU time")
+    parser.add_argument("--against", metavar="PATH", help="also time another checkout of the package, interleaved")
+    parser.add_argument("--steps", type=int, default=0, help="steps per timed block (default: the workload's)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
-        args.rounds, args.reps, args.workload = 2, 1, "op-bound-sgd"
+        args.rounds, args.reps, args.steps = 2, 1, 10
+        args.workload = "op-bound-sgd" if args.workload == "all" else args.workload
 
     import torch
 
     torch.set_num_threads(1)
-    workloads = list(BUDGETS) if args.workload == "all" else [args.workload]
-    print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds (+1 warm-up) x {args.reps} interleaved blocks per variant")
-    print()
-    header = (
-        f"{'workload':<15} {'A us':>8} {'S us':>8} {'B us':>8} {'C us':>8} "
-        f"{'S/A median [IQR]':>22} {'B/A median [IQR]':>22} {'C/A median [IQR]':>22} {'A/A median [IQR]':>22} {'budget':>10}"
+    if args.workload == "all":
+        workloads = list(BUDGETS)
+    elif args.workload == "op-bound":
+        workloads = [k for k in BUDGETS if k.startswith("op-bound")]
+    else:
+        workloads = [args.workload]
+    invariants = chosen_invariants(args.invariants) if args.invariants else None
+    if args.worker:
+        return _worker(workloads, args.reps, invariants, args.clock, args.steps)
+    print(
+        f"torch {torch.__version__}, 1 thread, {args.clock} clock, {args.rounds} rounds (+1 warm-up) x {args.reps} "
+        "interleaved blocks per variant"
     )
+    if invariants is not None:
+        print(f"I: {', '.join(f'{k}={v!r}' for k, v in invariants.items() if v not in (False, None))}")
+    if args.against:
+        return _against(workloads, args, invariants)
+    print()
+    names = ["S", "B", "C"] + (["I"] if invariants is not None else []) + ["A'"]
+    header = f"{'workload':<18} {'A us':>8} " + " ".join(f"{n + ' us':>8}" for n in names[:-1]) + " " + " ".join(
+        f"{n + '/A median [IQR]':>22}" for n in names
+    ) + f" {'budget':>12}"
     print(header)
     print("-" * len(header))
     status = 0
-    AA = "A'/A"
     for kind in workloads:
-        result = measure(kind, args.rounds, args.reps, args.ops)
-        us = result["median_us"]
-        ratios = result["ratios"]
+        result = measure(kind, args.rounds, args.reps, invariants, args.clock, args.steps)
+        us, ratios = result["median_us"], result["ratios"]
+        status |= _line(kind, us, ratios, names)  # type: ignore[arg-type]
+    return 0 if args.smoke else status  # a smoke run says it runs; its few steps cannot judge a budget
 
-        def fmt(name: str) -> str:
-            lo, mid, hi = ratios[name]  # type: ignore[index]
-            return f"{mid:.3f} [{lo:.3f}-{hi:.3f}]"
 
-        budget = BUDGETS[kind]
-        ok = ratios["S/A"][1] <= budget  # type: ignore[index]
-        status |= 0 if ok else 1
-        print(
-            f"{kind:<15} {us['A']:>8.1f} {us['S']:>8.1f} {us['B']:>8.1f} {us['C']:>8.1f} "  # type: ignore[index]
-            f"{fmt('S/A'):>22} {fmt('B/A'):>22} {fmt('C/A'):>22} {fmt(AA):>22} "
-            f"{'S <=' + str(budget):>8} {'ok' if ok else 'OVER'}"
-        )
-        if args.ops:
-            lo, mid, hi = ratios["O/A"]  # type: ignore[index]
-            extra = (us["O"] - us["B"])  # type: ignore[index]
-            o_us = us["O"]  # type: ignore[index]
-            print(f"{'':<15} O (max_ops_per_step) {o_us:.1f} us, O/A {mid:.3f} [{lo:.3f}-{hi:.3f}], "
-                  f"+{extra:.1f} us per step over B")
-    return 0 if args.smoke else status
+def _fmt(ratios: dict[str, Any], name: str) -> str:
+    lo, mid, hi = ratios[name]
+    return f"{mid:.3f} [{lo:.3f}-{hi:.3f}]"
+
+
+def _line(kind: str, us: dict[str, float], ratios: dict[str, Any], names: list[str], label: str = "") -> int:
+    budget = BUDGETS[kind]
+    ok = ratios["S/A"][1] <= budget and ratios["B/A"][1] <= budget
+    print(
+        f"{(label + kind):<18} {us['A']:>8.1f} " + " ".join(f"{us[n]:>8.1f}" for n in names[:-1]) + " "
+        + " ".join(f"{_fmt(ratios, n + '/A'):>22}" for n in names)
+        + f" {'S,B <=' + str(budget):>8} {'ok' if ok else 'OVER'}"
+    )
+    return 0 if ok else 1
+
+
+def _worker(workloads: list[str], reps: int, invariants: Any, clock: str, steps: int) -> int:
+    """One process of ``--against``: one round of every workload per request (see ``_against.py``)."""
+    import sys
+
+    from _against import serve
+
+    import pytest_torchperf
+
+    print(f"worker: {pytest_torchperf.__file__}", file=sys.stderr)
+    runners = {}
+    for kind in workloads:
+        step, n = build(kind)
+        runners[kind] = round_runner(step, steps or n, reps, variants_for(invariants), CLOCKS[clock])
+    counter = [0]
+
+    def one_round() -> dict[str, Any]:
+        counter[0] += 1
+        return {kind: run(counter[0]) for kind, run in runners.items()}
+
+    serve(one_round)
+    return 0
+
+
+def _against(workloads: list[str], args: argparse.Namespace, invariants: Any) -> int:
+    import os
+    import sys
+
+    from _against import Workers
+
+    forwarded = ["--workload", args.workload, "--reps", str(args.reps), "--clock", args.clock]
+    forwarded += ["--steps", str(args.steps)]
+    if args.invariants:
+        forwarded += ["--invariants", args.invariants]
+    workers = Workers(os.path.abspath(sys.argv[0]), forwarded, {"this": None, "other": args.against})
+    times: dict[str, dict[str, dict[str, list[float]]]] = {}
+    try:
+        for r, by_worker in enumerate(workers.rounds(args.rounds + 1)):
+            if r == 0:
+                continue  # warm-up
+            for label, per_kind in by_worker.items():
+                for kind, values in per_kind.items():
+                    for name, value in values.items():
+                        times.setdefault(label, {}).setdefault(kind, {}).setdefault(name, []).append(value)
+    finally:
+        workers.close()
+    print(f"this: the checkout the script is in; other: {args.against}; the two processes' rounds interleaved")
+    print()
+    names = ["S", "B", "C"] + (["I"] if invariants is not None else []) + ["A'"]
+    status = 0
+    for kind in workloads:
+        for label in ("this", "other"):
+            result = summarise(times[label][kind])
+            code = _line(kind, result["median_us"], result["ratios"], names, label + " ")  # type: ignore[arg-type]
+            status |= code if label == "this" else 0
+    return status
 
 
 if __name__ == "__main__":

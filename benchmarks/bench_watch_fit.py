@@ -6,7 +6,19 @@ inside ``pytest_torchperf.watch()`` (B). Reported: median seconds per fit, the
 median and the spread (25th-75th percentile) of the per-round ratios B/A and
 A'/A. The first round is a warm-up and is dropped.
 
-    python benchmarks/bench_watch_fit.py [--rounds 15] [--workers 2]
+Besides the whole fits, each round times the costs a watch adds apart:
+
+- ``W``: ``with watch(): pass``: installing and removing the default probes,
+  the slot bookkeeping, the Lightning observer's patches (the fixed cost per watch);
+- ``A1`` / ``B1``: one-epoch fits unwatched / watched, so that the cost per epoch
+  is ``((B - A) - (B1 - A1))`` (the 2-epoch fits less the 1-epoch ones) and the
+  fixed cost per watched fit is ``(B1 - A1)`` less one epoch's.
+
+``--against PATH`` runs the same rounds in a second process on another checkout
+(the previous release), the two processes' rounds interleaved (see
+``_against.py``). ``--smoke``: a tiny setting for CI.
+
+    python benchmarks/bench_watch_fit.py [--rounds 15] [--workers 2] [--against /tmp/prev]
 """
 
 from __future__ import annotations
@@ -16,9 +28,10 @@ import statistics
 import tempfile
 import time
 import warnings
+from typing import Callable
 
 
-def build(workers: int):
+def build(workers: int, batches: int = 64):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -41,14 +54,14 @@ def build(workers: int):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    x = torch.randn(2048, 64)
+    x = torch.randn(32 * batches, 64)
     data = TensorDataset(x, x.sum(1, keepdim=True))
     loader = DataLoader(data, batch_size=32, num_workers=workers, persistent_workers=workers > 0)
     root = tempfile.mkdtemp()
 
-    def fit() -> None:
+    def fit(epochs: int = 2) -> None:
         trainer = pl.Trainer(
-            max_epochs=2,
+            max_epochs=epochs,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -61,8 +74,76 @@ def build(workers: int):
 
 
 def quantiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
     q = statistics.quantiles(values, n=4, method="inclusive")
     return q[0], statistics.median(values), q[2]
+
+
+def round_runner(fit) -> "Callable[[int], dict[str, float]]":
+    """``one_round(r)``: every variant once, in an order rotated by ``r``; seconds per variant."""
+    from pytest_torchperf import watch
+
+    clock = time.perf_counter
+
+    def timed(fn) -> float:
+        start = clock()
+        fn()
+        return clock() - start
+
+    def watched(epochs: int) -> None:
+        with watch():  # the default invariants
+            fit(epochs)
+
+    def empty_watch() -> None:
+        with watch():
+            pass
+
+    variants = {
+        "A": lambda: timed(fit),
+        "B": lambda: timed(lambda: watched(2)),
+        "A'": lambda: timed(fit),
+        "A1": lambda: timed(lambda: fit(1)),
+        "B1": lambda: timed(lambda: watched(1)),
+        "W": lambda: timed(empty_watch),
+    }
+    names = list(variants)
+
+    def one_round(r: int) -> dict[str, float]:
+        shift = r % len(names)
+        return {name: variants[name]() for name in names[shift:] + names[:shift]}
+
+    return one_round
+
+
+def costs(times: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
+    """Per round: the ratios and the costs apart (seconds), each as (25th percentile, median, 75th)."""
+    rounds = range(len(times["A"]))
+    per = {
+        "B/A": [times["B"][i] / times["A"][i] for i in rounds],
+        "A'/A": [times["A'"][i] / times["A"][i] for i in rounds],
+        "watch": list(times["W"]),
+        "epoch": [(times["B"][i] - times["A"][i]) - (times["B1"][i] - times["A1"][i]) for i in rounds],
+    }
+    per["fit"] = [(times["B1"][i] - times["A1"][i]) - per["epoch"][i] for i in rounds]
+    return {name: quantiles(values) for name, values in per.items()}
+
+
+def report(label: str, times: dict[str, list[float]]) -> None:
+    c = costs(times)
+    for key, text in (("A", "unwatched fit"), ("A'", "unwatched again (A/A)"), ("B", "watched fit")):
+        lo, med, hi = quantiles(times[key])
+        print(f"  {label}{text:24} median {med * 1000:8.1f} ms  (IQR {lo * 1000:.1f}-{hi * 1000:.1f})")
+    for key, text in (("A'/A", "A'/A (noise)"), ("B/A", "watched/unwatched")):
+        lo, med, hi = c[key]
+        print(f"  {label}{text:24} median {med:.3f}x     (IQR {lo:.3f}-{hi:.3f})")
+    for key, text in (
+        ("watch", "per watch (W: probes in and out)"),
+        ("fit", "per watched fit, fixed"),
+        ("epoch", "per watched epoch"),
+    ):
+        lo, med, hi = c[key]
+        print(f"  {label}{text:34} median {med * 1000:7.1f} ms  (IQR {lo * 1000:.1f}-{hi * 1000:.1f})")
 
 
 def main() -> None:
@@ -70,53 +151,73 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; no budget verdict)")
+    parser.add_argument("--batches", type=int, default=64, help="batches per epoch (default 64)")
+    parser.add_argument("--against", metavar="PATH", help="also time another checkout of the package, interleaved")
+    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
-        args.rounds = 2
+        args.rounds, args.batches = 2, 4
 
     import logging
 
     import torch
 
-    from pytest_torchperf import watch
-
     torch.set_num_threads(args.threads)
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    fit = build(args.workers)
+    fit = build(args.workers, args.batches)
+    if not args.worker:  # a worker's stdout is the protocol
+        print(f"tiny Lightning fit, 2 epochs x {args.batches} steps, num_workers={args.workers}, threads={args.threads}, "
+              f"{args.rounds} rounds (+1 warm-up), torch {torch.__version__}")
+    if args.worker:
+        import sys
 
-    def unwatched() -> float:
-        start = time.perf_counter()
-        fit()
-        return time.perf_counter() - start
+        from _against import serve
 
-    def watched() -> float:
-        start = time.perf_counter()
-        with watch():  # the default invariants
-            fit()
-        return time.perf_counter() - start
+        import pytest_torchperf
 
-    times: dict[str, list[float]] = {"A": [], "A'": [], "B": []}
-    runners = {"A": unwatched, "A'": unwatched, "B": watched}
-    orders = [("A", "B", "A'"), ("B", "A'", "A"), ("A'", "A", "B")]
+        print(f"worker: {pytest_torchperf.__file__}", file=sys.stderr)
+        one_round = round_runner(fit)
+        counter = [0]
+
+        def served() -> dict[str, float]:
+            counter[0] += 1
+            return one_round(counter[0])
+
+        serve(served)
+        return
+    if args.against:
+        import os
+        import sys
+
+        from _against import Workers
+
+        forwarded = ["--workers", str(args.workers), "--threads", str(args.threads), "--batches", str(args.batches)]
+        workers = Workers(os.path.abspath(sys.argv[0]), forwarded, {"this": None, "other": args.against})
+        by_label: dict[str, dict[str, list[float]]] = {}
+        try:
+            for r, out in enumerate(workers.rounds(args.rounds + 1)):
+                if r == 0:
+                    continue  # warm-up
+                for label, values in out.items():
+                    for name, value in values.items():
+                        by_label.setdefault(label, {}).setdefault(name, []).append(value)
+        finally:
+            workers.close()
+        print(f"this: the checkout the script is in; other: {args.against}; the two processes' rounds interleaved")
+        for label in ("this", "other"):
+            report(f"{label:6}", by_label[label])
+        return
+    one_round = round_runner(fit)
+    times: dict[str, list[float]] = {}
     for r in range(args.rounds + 1):
-        for key in orders[r % len(orders)]:
-            elapsed = runners[key]()
-            if r:  # round 0 is the warm-up
-                times[key].append(elapsed)
-
-    ratio_b = [b / a for a, b in zip(times["A"], times["B"])]
-    ratio_aa = [a2 / a for a, a2 in zip(times["A"], times["A'"])]
-    print(f"tiny Lightning fit, 2 epochs x 64 steps, num_workers={args.workers}, threads={args.threads}, "
-          f"{args.rounds} rounds (+1 warm-up), torch {torch.__version__}")
-    for key, label in (("A", "unwatched"), ("A'", "unwatched again (A/A)"), ("B", "watched")):
-        lo, med, hi = quantiles(times[key])
-        print(f"  {label:24} median {med * 1000:8.1f} ms  (IQR {lo * 1000:.1f}-{hi * 1000:.1f})")
-    for ratios, label in ((ratio_aa, "A'/A (noise)"), (ratio_b, "watched/unwatched")):
-        lo, med, hi = quantiles(ratios)
-        print(f"  {label:24} median {med:.3f}x     (IQR {lo:.3f}-{hi:.3f})")
+        out = one_round(r)
+        if r:  # round 0 is the warm-up
+            for name, value in out.items():
+                times.setdefault(name, []).append(value)
+    report("", times)
 
 
 if __name__ == "__main__":

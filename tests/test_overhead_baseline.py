@@ -36,7 +36,7 @@ EMPTY = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "tests": {}}
 
 def test_the_breakdown_beside_a_failed_overhead_verdict_is_not_a_finding_of_its_own(tmp_path: Path) -> None:
     fit = Frame(str(tmp_path / "test_fit.py"), 12, "test_fit")
-    verdict = Finding("Trainer.fit(Tiny): a Lightning epoch took 2 ms against 1 ms ...", [], [Site("fit called", (fit,))])
+    verdict = Finding("Trainer.fit(Tiny): a Lightning epoch took 2 ms against 1 ms", [], [Site("fit called", (fit,))])
     breakdown = Finding("where the extra 1 ms per batch went (4 batches per epoch; ...)", ["..."], [], "hint")
     report = Report(checks={"max_overhead": CheckResult("max_overhead", FAILED, "+90%", 1, [verdict, breakdown])})
     (obs,) = observe(report)
@@ -98,5 +98,6 @@ def test_a_failed_overhead_verdict_is_one_baseline_entry_at_the_fit(pytester: py
     pytester.makepyfile(test_far=FAR)
     pytester.runpytest("--torchperf-baseline=b.json", "--torchperf-baseline-update").assert_outcomes(passed=1)
     (entries,) = json.loads((pytester.path / "b.json").read_text())["tests"].values()
-    assert [(e["invariant"], e["function"], e["file"]) for e in entries] == [("max_overhead", "test_far", "test_far.py")]
+    found = [(e["invariant"], e["function"], e["file"]) for e in entries]
+    assert found == [("max_overhead", "test_far", "test_far.py")]
     pytester.runpytest("--torchperf-baseline=b.json").assert_outcomes(passed=1)  # known: it does not fail

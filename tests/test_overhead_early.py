@@ -18,7 +18,8 @@ from pytest_torchperf.timing.stats import EARLY_ROUNDS, LOAD_SHIFT_PER_WAIT, Rou
 def _round(rounds: Rounds, ratio: float, wait_share: float = 0.0) -> None:
     """One round of candidate ``ratio`` x baseline 1 s, each side waiting ``wait_share`` of its wall time."""
     c, b = ratio, 1.0
-    rounds.add(c / (1 - wait_share), b / (1 - wait_share), c * wait_share / (1 - wait_share), b * wait_share / (1 - wait_share))
+    k = 1 - wait_share
+    rounds.add(c / k, b / k, c * wait_share / k, b * wait_share / k)
 
 
 def test_a_clear_case_on_a_quiet_machine_stops_after_one_round_of_each_order() -> None:

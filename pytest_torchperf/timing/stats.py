@@ -425,7 +425,7 @@ class Rounds:
 
     @property
     def shift(self) -> float:
-        """The systematic half-width the machine's load adds to the interval (log scale; see :data:`LOAD_SHIFT_PER_WAIT`)."""
+        """The systematic half-width load adds to the interval (log scale; see :data:`LOAD_SHIFT_PER_WAIT`)."""
         share = self.wait_share
         return LOAD_SHIFT_PER_WAIT * share if share else 0.0
 
