@@ -17,12 +17,14 @@ The rendering functions are pytest-free; :class:`CiOutput` is the pytest glue (r
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Generator, Iterable, Optional
 
 import pytest
 
 from ._lazy import lazy_module
 from ._version import __version__
+from .constants import BUILTIN_INVARIANTS, INVARIANTS_ENTRY_POINT_GROUP
 
 if TYPE_CHECKING:
     from . import github, registry
@@ -51,9 +53,9 @@ def entry_point_names() -> list[tuple[str, str]]:
     from importlib import metadata
 
     try:
-        selected = metadata.entry_points(group=registry.ENTRY_POINT_GROUP)  # type: ignore[call-arg]
+        selected = metadata.entry_points(group=INVARIANTS_ENTRY_POINT_GROUP)  # type: ignore[call-arg]
     except TypeError:  # Python 3.9: a dict of groups
-        selected = metadata.entry_points().get(registry.ENTRY_POINT_GROUP, [])  # type: ignore[attr-defined]
+        selected = metadata.entry_points().get(INVARIANTS_ENTRY_POINT_GROUP, [])  # type: ignore[attr-defined]
     out = []
     for ep in selected:
         dist = getattr(getattr(ep, "dist", None), "name", None) or "an entry point"
@@ -75,7 +77,7 @@ def header_line(
     extra = [f"+{n} from {dist}" for dist, n in sorted(by_dist.items())]
     if registered:
         extra.append(f"+{registered} registered in conftest")
-    builtin = len(registry.BUILTIN)
+    builtin = len(BUILTIN_INVARIANTS)
     line = f"torchperf {__version__}: {builtin} invariant{'s' if builtin != 1 else ''}"
     if extra:
         line += f" ({', '.join(extra)})"
@@ -159,7 +161,8 @@ class CiOutput:
                 baseline = os.path.relpath(baseline, str(config.invocation_params.dir))
             except ValueError:  # another drive (Windows)
                 pass
-        extra = getattr(registry, "_REGISTRY", None)
+        loaded = sys.modules.get("pytest_torchperf.registry")  # not loaded: nothing was register()ed
+        extra = getattr(loaded, "_REGISTRY", None)
         registered = len(getattr(extra, "_extra", {}) or {})
         return header_line(
             entry_point_names(), registered, baseline, self.settings.baseline_update, self.settings.report_only

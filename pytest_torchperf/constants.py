@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
+    "BUILTIN_INVARIANTS",
+    "INVARIANTS_ENTRY_POINT_GROUP",
     "OVERHEAD_INCONCLUSIVE",
     "OVERHEAD_MAX_ROUNDS",
     "OVERHEAD_MIN_ROUNDS",
@@ -22,3 +24,33 @@ OVERHEAD_MAX_ROUNDS = 1000
 OVERHEAD_INCONCLUSIVE = ("fail", "skip", "warn")
 #: ``--torchperf-trace``: optimizer steps recorded per test.
 TRACE_STEPS = 4
+
+#: The built-in invariants (``registry.BUILTIN``), in the order reports list them (module names in ``pytest_torchperf.invariants``).
+BUILTIN_INVARIANTS = (
+    "no_host_sync",
+    "on_device",
+    "no_iterator_reset",
+    "max_overhead",
+    "min_workers",
+    "pin_memory",
+    "no_empty_cache",
+    "no_data_parallel",
+    "grads_set_to_none",
+    "no_recompiles",
+    "mixed_precision",
+    "no_graph_retention",
+    "max_memory_growth",
+    "no_unused_parameters_search",
+    "no_sync_accumulation",
+    "no_graph_breaks",
+    "no_debug_modes",
+    "gpu_settings",
+    "no_oversubscription",
+    "max_ops_per_step",
+    "max_collectives_per_step",
+    "no_constant_buffer_broadcast",
+    "max_data_wait",
+)
+
+#: The entry point group other packages declare invariants in (``registry.ENTRY_POINT_GROUP``).
+INVARIANTS_ENTRY_POINT_GROUP = "pytest_torchperf.invariants"

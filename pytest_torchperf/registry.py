@@ -49,9 +49,10 @@ __all__ = [
     "unregister",
 ]
 
-ENTRY_POINT_GROUP = "pytest_torchperf.invariants"
+from .constants import BUILTIN_INVARIANTS, INVARIANTS_ENTRY_POINT_GROUP, SCOPES  # noqa: E402
 
-from .constants import SCOPES  # noqa: E402 - where the step checks apply
+#: The entry point group other packages declare invariants in.
+ENTRY_POINT_GROUP = INVARIANTS_ENTRY_POINT_GROUP
 
 #: The argument every run has: where the step checks apply.
 SCOPE = Argument(
@@ -63,31 +64,7 @@ SCOPE = Argument(
 )
 
 #: The built-in invariants, in the order reports list them (module names in ``pytest_torchperf.invariants``).
-BUILTIN = (
-    "no_host_sync",
-    "on_device",
-    "no_iterator_reset",
-    "max_overhead",
-    "min_workers",
-    "pin_memory",
-    "no_empty_cache",
-    "no_data_parallel",
-    "grads_set_to_none",
-    "no_recompiles",
-    "mixed_precision",
-    "no_graph_retention",
-    "max_memory_growth",
-    "no_unused_parameters_search",
-    "no_sync_accumulation",
-    "no_graph_breaks",
-    "no_debug_modes",
-    "gpu_settings",
-    "no_oversubscription",
-    "max_ops_per_step",
-    "max_collectives_per_step",
-    "no_constant_buffer_broadcast",
-    "max_data_wait",
-)
+BUILTIN = BUILTIN_INVARIANTS
 
 #: Names an argument may not take: they are attributes of ``Options`` itself.
 _RESERVED = frozenset(("enabled_checks", "to_dict", "replace", "values", "settings"))
@@ -120,6 +97,9 @@ class Invariant:
     #: A frozen dataclass whose fields are the ``arguments`` (their values as ``Check.settings``);
     #: None: one is made from the declarations.
     settings: Optional[type] = None
+    #: Checks only what a run may or may not contain (``no_graph_breaks``: compiled code): its "not checked"
+    #: means there was nothing of that kind, so it is no warning of ``--torchperf-not-checked``.
+    conditional: bool = False
 
     @property
     def argument(self) -> Argument:

@@ -80,12 +80,13 @@ def resolve(config: pytest.Config) -> str:
 
 
 def is_default(name: str) -> bool:
-    """``name`` is an invariant that is on unless turned off."""
+    """``name`` is an invariant that is on unless turned off, and not one that only checks what a run may lack
+    (:attr:`~pytest_torchperf.registry.Invariant.conditional`: nothing compiled is nothing to warn about)."""
     try:
         invariant = registry.get(name)
     except Exception:  # noqa: BLE001 - a name from another session's JSON
         return False
-    return bool(invariant.enabled(invariant.default))
+    return bool(invariant.enabled(invariant.default)) and not invariant.conditional
 
 
 def unchecked(report: Report) -> list[tuple[str, str]]:

@@ -179,6 +179,7 @@ INVARIANT = Invariant(
     kind=Flag(),
     default=True,
     probes=("recompiles", "graph_breaks"),
+    conditional=True,  # a run that compiles nothing has no graph to break
     arguments=(
         Argument(
             "max_graph_breaks",

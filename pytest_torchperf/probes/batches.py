@@ -23,8 +23,8 @@ batch costs one falsy-dict test. A run that asked for every batch
 (:meth:`BatchesProbe.every_batch_for`, ``max_data_wait``) keeps its passes in
 the table: two clock reads and a dict look-up per batch.
 
-The clock is bound at import (``perf_counter``): a test that mocks
-``time.perf_counter`` does not change what is measured.
+The clock is bound at import (:mod:`pytest_torchperf.clocks`): a test that
+mocks the time module's ``perf_counter`` does not change what is measured.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import mmap
 import weakref
-from time import perf_counter as _perf_counter
+from ..clocks import perf_counter as _perf_counter
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..frameworks import lightning
