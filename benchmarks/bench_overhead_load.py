@@ -39,7 +39,6 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from bench_max_overhead import ONLY_OVERHEAD, Heavy, make_loader, make_trainer  # noqa: E402
 from bench_repeatability import Backbone, tiny_loader  # noqa: E402
 

@@ -169,8 +169,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     fit = build(args.workers, args.batches)
     if not args.worker:  # a worker's stdout is the protocol
-        print(f"tiny Lightning fit, 2 epochs x {args.batches} steps, num_workers={args.workers}, threads={args.threads}, "
-              f"{args.rounds} rounds (+1 warm-up), torch {torch.__version__}")
+        print(f"tiny Lightning fit, 2 epochs x {args.batches} steps, num_workers={args.workers}, "
+              f"threads={args.threads}, {args.rounds} rounds (+1 warm-up), torch {torch.__version__}")
     if args.worker:
         import sys
 

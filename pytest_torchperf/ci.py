@@ -29,7 +29,6 @@ from .constants import BUILTIN_INVARIANTS, INVARIANTS_ENTRY_POINT_GROUP
 if TYPE_CHECKING:
     from . import github, registry
     from .ranks import child as _child
-    from .report import InvariantViolation
 else:  # loaded when a session reports on a watched test: an unmarked session pays nothing for them
     github = lazy_module("pytest_torchperf.github")
     registry = lazy_module("pytest_torchperf.registry")
@@ -53,9 +52,10 @@ def entry_point_names() -> list[tuple[str, str]]:
     from importlib import metadata
 
     try:
-        selected = metadata.entry_points(group=INVARIANTS_ENTRY_POINT_GROUP)  # type: ignore[call-arg]
+        selected: Any = metadata.entry_points(group=INVARIANTS_ENTRY_POINT_GROUP)
     except TypeError:  # Python 3.9: a dict of groups
-        selected = metadata.entry_points().get(INVARIANTS_ENTRY_POINT_GROUP, [])  # type: ignore[attr-defined]
+        groups: Any = metadata.entry_points()
+        selected = groups.get(INVARIANTS_ENTRY_POINT_GROUP, [])
     out = []
     for ep in selected:
         dist = getattr(getattr(ep, "dist", None), "name", None) or "an entry point"
@@ -195,6 +195,7 @@ class CiOutput:
         adoption = self.config.pluginmanager.get_plugin("torchperf-adoption")
         found = adoption._levels() if adoption is not None else []
         workspace = os.environ.get("GITHUB_WORKSPACE") or None
-        notes = github.annotations(found, rootdir=str(self.config.rootpath), workspace=workspace)
+        root = str(self.config.rootpath)
+        notes = github.annotations(found, rootdir=root, workspace=workspace)  # type: ignore[operator]
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(step_summary(tests, notes) + "\n")

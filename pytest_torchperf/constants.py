@@ -25,7 +25,8 @@ OVERHEAD_INCONCLUSIVE = ("fail", "skip", "warn")
 #: ``--torchperf-trace``: optimizer steps recorded per test.
 TRACE_STEPS = 4
 
-#: The built-in invariants (``registry.BUILTIN``), in the order reports list them (module names in ``pytest_torchperf.invariants``).
+#: The built-in invariants (``registry.BUILTIN``), in the order reports list them (their modules' names in
+#: ``pytest_torchperf.invariants``).
 BUILTIN_INVARIANTS = (
     "no_host_sync",
     "on_device",

@@ -51,7 +51,7 @@ class Duration(ArgumentKind):
     optional: bool = True
 
     @property
-    def json_type(self) -> Any:  # type: ignore[override]
+    def json_type(self) -> Any:
         return ["string", "null"] if self.optional else "string"
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:

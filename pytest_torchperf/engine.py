@@ -107,12 +107,14 @@ class Engine:
                 undo.callback(self._uninstall, probe.name, run)
                 self._install_probe(probe, run)
             run.checks = registry.make_checks(run)  # after the probes: a check may ask its probe for something
-            if self.autosteps is None:  # after the probes: its backward wrapper is the outermost, so a pass opens its step first
+            # After the probes: the automatic steps' backward wrapper is the outermost, so a pass opens its step first.
+            if self.autosteps is None:
                 undo.callback(self._undo_autosteps, run)
                 self.autosteps = Patcher()
                 autosteps.install(self.autosteps)
             autosteps.arm(run)
-            dynamo_frames.skip_own_frames()  # compiled code runs the same watched (torchperf's modules are all loaded now)
+            # Compiled code runs the same watched (torchperf's modules are all loaded by now).
+            dynamo_frames.skip_own_frames()
             run.start()  # registered last: nothing can fail after this
             undo.pop_all()
 
@@ -249,7 +251,7 @@ def _keep_torch_caches(patcher: Patcher) -> None:
     patches lifted for that moment.
     """
     patcher.on_import("torch._dynamo.trace_rules", lambda module: _lifted(_fill_caches))
-    patcher.on_import("torch._dynamo.eval_frame", lambda module: dynamo_frames.skip_own_frames())
+    patcher.on_import("torch._dynamo.eval_frame", lambda module: None if dynamo_frames.skip_own_frames() else None)
 
 
 def _fill_caches(import_torch: bool = False) -> None:

@@ -42,14 +42,17 @@ LIBRARY = "library"
 USER = "user"
 
 #: Packages whose frames are the training framework's own code, not the user's.
-FRAMEWORK_PACKAGES = (
+_LIGHTNING_PACKAGES = (
     "pytorch_lightning",
     "lightning",
     "lightning_fabric",
     "lightning_utilities",
     "torchmetrics",
 )
-FRAMEWORK_PACKAGES += tuple(name for name in _ADAPTED if name not in FRAMEWORK_PACKAGES)  # frameworks.PACKAGES
+#: (and the adapted frameworks' packages, ``frameworks.PACKAGES``).
+FRAMEWORK_PACKAGES: "tuple[str, ...]" = _LIGHTNING_PACKAGES + tuple(
+    name for name in _ADAPTED if name not in _LIGHTNING_PACKAGES
+)
 _PYTEST_PACKAGES = ("_pytest", "pytest", "pluggy", "xdist", "execnet")
 _TORCH_PACKAGES = ("torch", "functorch")
 

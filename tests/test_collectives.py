@@ -13,11 +13,11 @@ from typing import Any, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from step_check_helpers import report_of
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pytest_torchperf import parse_options, step, watch
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, Report
-from step_check_helpers import report_of
 
 OFF = {"no_host_sync": False, "on_device": False, "no_iterator_reset": False, "no_data_parallel": False}
 

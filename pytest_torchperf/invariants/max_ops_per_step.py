@@ -96,7 +96,7 @@ class OpsCheck(StepWindows, Check):
             return
         if self._kernel_step:
             self._kernel_step = False
-            self.kernels.stop()  # type: ignore[union-attr]
+            self.kernels.stop()
         counts, sample = self.probe.end(self)
         if sample is not None and self.sample is None:
             self.sample = sample
@@ -139,10 +139,10 @@ class OpsCheck(StepWindows, Check):
             item["count"] += n
         if self.sample is not None:
             for (func, _), (calls, stack, optim) in self.sample.sites.items():
-                key = names.get(func)
-                if key is None:
+                known = names.get(func)
+                if known is None:
                     continue
-                sites = out[key]["sites"]
+                sites = out[known]["sites"]
                 frame = site_of(stack)
                 where = (frame.filename, frame.lineno) if frame is not None else None
                 if where in sites:

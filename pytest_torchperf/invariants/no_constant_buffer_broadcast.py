@@ -181,7 +181,7 @@ def _flag() -> str:
     from torch.nn.parallel import DistributedDataParallel
 
     try:
-        names = inspect.signature(DistributedDataParallel.__init__).parameters
+        names: Any = inspect.signature(DistributedDataParallel.__init__).parameters
     except (TypeError, ValueError):  # pragma: no cover
         names = {}
     return "forward_sync_buffers" if "forward_sync_buffers" in names else "broadcast_buffers"

@@ -21,11 +21,11 @@ import os
 from typing import TYPE_CHECKING, Any, Optional
 
 from .. import frameworks
-from ..frameworks import lightning
 from ..allow import AllowList
 from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import Located, describe_frame, owner_label, stack_of
+from ..frameworks import lightning
 from ..probes.syncs import PROBE, WOULD, Op, Sync
 from ..registry import Invariant
 from ..report import CheckResult, Finding, Site

@@ -192,6 +192,6 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
         return functools.wraps(original)(fn)
 
     for name in method_names(tensor_type, skip_methods):
-        patcher.wrap(tensor_type, name, lambda original, name=name: method(name, original))
+        patcher.wrap(tensor_type, name, lambda original, name=name: method(name, original))  # type: ignore[misc]
     for name in function_names(torch, skip_functions):
-        patcher.wrap(torch, name, lambda original, name=name: function(name, original))
+        patcher.wrap(torch, name, lambda original, name=name: function(name, original))  # type: ignore[misc]

@@ -32,7 +32,7 @@ class KernelStep:
             import torch
             from torch.profiler import ProfilerActivity, profile
 
-            if torch.autograd.profiler._is_profiler_enabled:  # type: ignore[attr-defined]
+            if torch.autograd.profiler._is_profiler_enabled:
                 self.why_not = "another profiler was running in that step"
                 return
             with core.suspended():

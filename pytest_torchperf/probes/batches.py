@@ -32,11 +32,11 @@ from __future__ import annotations
 import functools
 import mmap
 import weakref
-from ..clocks import perf_counter as _perf_counter
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..frameworks import lightning
+from ..clocks import perf_counter as _perf_counter
 from ..core import FLAGS
+from ..frameworks import lightning
 from . import Probe
 
 if TYPE_CHECKING:

@@ -92,7 +92,7 @@ class CollectivesProbe(Probe):
                 def collective(*args: Any, **kwargs: Any) -> Any:
                     __tracebackhide__ = True
                     # is_compiling() first: dynamo folds it, and its graph then guards on nothing of ours.
-                    if is_compiling() or not flags.active or getattr(local, "depth", 0) or probe.disabled:
+                    if is_compiling() or not flags.active or getattr(local, "depth", False) or probe.disabled:
                         return original(*args, **kwargs)
                     try:
                         data = args[position] if 0 <= position < len(args) else None

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
-from ..frames import stack_of
-from ..frames import kind_of
+from ..frames import kind_of, stack_of
 from ..stacks import TORCH, TORCHPERF, Stack
 from . import Probe, record_creation
 

@@ -100,7 +100,7 @@ class OpsProbe(Probe):
         patcher.callback(self.reset, deferred=True)
         mode_class = _mode_class()
         self.mode = mode_class(self)
-        code = mode_class.__torch_dispatch__.__code__
+        code = mode_class.__torch_dispatch__.__code__  # type: ignore[attr-defined]
 
         def skip(eval_frame: Any) -> None:
             # Dynamo never compiles the counting frame (a compiled region's eager ops reach it), and the
@@ -147,7 +147,7 @@ class OpsProbe(Probe):
 
             if _get_current_dispatch_mode() is not mode:
                 raise RuntimeError("another TorchDispatchMode entered in a step is still active at its end")
-            mode.__exit__(None, None, None)
+            mode.__exit__(None, None, None)  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001
             self.failed(exc)
 
