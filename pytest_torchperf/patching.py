@@ -95,18 +95,25 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
 
     def __init__(self) -> None:
         self.pending: dict[str, list[Callable[[ModuleType], None]]] = {}
+        #: Names this hook is looking up now: another patcher's hook waiting for the same module asks the
+        #: finders again, this one among them, which then steps aside (each hook wraps the loader once).
+        self._finding: set[str] = set()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in self.pending:
+        if fullname not in self.pending or fullname in self._finding:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
+        self._finding.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._finding.discard(fullname)
         loader: Any = spec.loader
         if loader is None or not hasattr(loader, "exec_module"):
             return spec

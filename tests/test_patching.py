@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
+import pytest
 import torch
 
 from pytest_torchperf import _slots
@@ -70,3 +72,24 @@ def test_lifted_patches_come_back() -> None:
     assert torch.tensor([torch.tensor(1.0)]).tolist() == [1.0]
     patcher.undo()
     assert module.f == "original" and "__getitem__" not in vars(torch.Tensor)
+
+
+def test_two_patchers_waiting_for_the_same_import_both_see_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two hooks pending on one module ask the finders in turn; neither recurses into the other."""
+    import sys
+
+    from pytest_torchperf.patching import Patcher
+
+    (tmp_path / "torchperf_late_module.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[str] = []
+    first, second = Patcher(), Patcher()
+    try:
+        first.on_import("torchperf_late_module", lambda module: seen.append(f"first {module.VALUE}"))
+        second.on_import("torchperf_late_module", lambda module: seen.append(f"second {module.VALUE}"))
+        import torchperf_late_module  # noqa: F401
+    finally:
+        second.undo()
+        first.undo()
+        sys.modules.pop("torchperf_late_module", None)
+    assert sorted(seen) == ["first 1", "second 1"]

@@ -433,8 +433,12 @@ class Rounds:
         return self.early_taken and len(self) == EARLY_ROUNDS
 
     def _early_round_sd(self) -> float:
+        """The spread the early look assumes: at least :data:`EARLY_ROUND_SD`, the two rounds' difference, and
+        what each side's own two epochs differ by (a workload whose epochs vary, one side against itself, has
+        ratios that vary as much even where two of them happen to agree)."""
         ys = _logs(self.ratios)
-        return max(EARLY_ROUND_SD, abs(ys[0] - ys[1]))
+        sides = [abs(math.log(a / b)) * math.sqrt(2.0) for a, b in (self.candidate, self.baseline) if a > 0 and b > 0]
+        return max([EARLY_ROUND_SD, abs(ys[0] - ys[1]), *sides])
 
     def _early_look_allowed(self) -> bool:
         """After one round of each order, on a quiet machine, before the first regular look, with a threshold.
