@@ -886,7 +886,7 @@ def test_fixture_parity_fails_the_test_and_is_recorded(pytester: pytest.Pytester
     runs = {t["nodeid"].split("::")[1]: t["runs"] for t in doc["tests"]}
     assert runs["test_slower"][0]["source"] == "parity"
     assert runs["test_slower"][0]["options"]["max_overhead"] == 0.2
-    assert runs["test_slower"][0]["checks"]["max_overhead"]["figures"]["rounds"] == 4
+    assert runs["test_slower"][0]["checks"]["max_overhead"]["figures"]["rounds"] in (2, 4)  # 2: the early look on a quiet machine
     assert runs["test_within"][0]["checks"]["max_overhead"]["passed"] is True
 
 
