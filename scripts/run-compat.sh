@@ -47,7 +47,7 @@ for suite in examples/*/; do
 done
 run "pytest ${PYTEST_OLDEST:-7.0.0} and pluggy ${PLUGGY_OLDEST:-1.2.0} (the oldest supported), with torch" \
   pytest-oldest -n 2 -p no:warnings tests/test_plugin.py tests/test_adoption.py tests/test_options.py \
-  tests/test_torch_free.py tests/test_baseline.py tests/test_github.py \
+  tests/test_torch_free.py tests/test_baseline.py tests/test_github.py tests/test_ci_output.py \
   -k "not test_watch_works_from_a_plain_script and not test_xdist_gives_the_serial_verdicts"  # no pytest there; xdist: test_adoption
 for version in 3.9 3.10 3.12 3.13; do
   TORCHPERF_EXPECT_NO_TORCH=1 run "Python $version without torch: the torch-free tests" "python-$version" tests
