@@ -248,8 +248,8 @@ class Run:
         self._batch_depth = 0
         self._active = False
         self._handlers: dict[str, tuple[Callable[..., Any], ...]] = {}
-        #: Whether some check listens to step starts / ends (read by every step: set when the run starts).
-        self._step_events = (False, False)
+        #: The checks' ``on_step_start`` / ``on_step_end`` methods (read by every step: set when the run starts).
+        self._step_events: tuple[tuple[Callable[..., Any], ...], tuple[Callable[..., Any], ...]] = ((), ())
         #: What ``step()`` returns: stateless, so one serves every step (and nested steps).
         self._step_block = _Step(self)
         #: Automatic steps (:mod:`pytest_torchperf.autosteps`) while the run is armed for them.
@@ -315,7 +315,10 @@ class Run:
 
     def notify(self, event: str, *args: Any) -> None:
         """Call ``event(*args)`` on this run's checks that define it."""
-        for handler in self.handlers(event):
+        self._call(self.handlers(event), args)
+
+    def _call(self, handlers: tuple[Callable[..., Any], ...], args: tuple[Any, ...] = ()) -> None:
+        for handler in handlers:
             try:
                 handler(*args)
             except Exception as exc:  # noqa: BLE001 - see notify()
@@ -336,14 +339,14 @@ class Run:
         self._step_depth += 1
         _refresh_scope()
         if self._step_depth == 1 and self._step_events[0]:
-            self.notify("on_step_start")
+            self._call(self._step_events[0])
 
     def step_ended(self) -> None:
         depth = self._step_depth - 1
         self._step_depth = depth if depth > 0 else 0
         _refresh_scope()
         if depth == 0 and self._step_events[1]:
-            self.notify("on_step_end")
+            self._call(self._step_events[1])
 
     def batch_started(self) -> None:
         started = self._batch_depth == 0
@@ -370,7 +373,7 @@ class Run:
     def start(self) -> None:
         self.enlist()
         self._handlers.clear()
-        self._step_events = (bool(self.handlers("on_step_start")), bool(self.handlers("on_step_end")))
+        self._step_events = (self.handlers("on_step_start"), self.handlers("on_step_end"))
         self._batch_events = bool(self.handlers("on_batch_start") or self.handlers("on_batch_end"))
         self._active = True
         _refresh_flags()
@@ -436,7 +439,7 @@ class _Step:
         if not FLAGS.in_scope:  # a step puts its run in scope, whatever the scope option
             _set_in_scope(True)
         if run._step_events[0] and run._step_depth == 1:
-            run.notify("on_step_start")
+            run._call(run._step_events[0])
         return run
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -446,4 +449,4 @@ class _Step:
         run._step_depth = depth if depth > 0 else 0
         _refresh_scope()
         if run._step_events[1] and depth == 0:
-            run.notify("on_step_end")
+            run._call(run._step_events[1])

@@ -25,6 +25,7 @@ imported and as soon as dynamo is imported during a run.
 
 from __future__ import annotations
 
+import os
 import sys
 from types import CodeType, FunctionType
 from typing import Any, Callable, Iterator, Optional
@@ -34,6 +35,10 @@ __all__ = ["skip_own_frames"]
 _PACKAGE = __name__.rpartition(".")[0]
 #: Modules whose code objects are marked already.
 _DONE: set[str] = set()
+#: The package's module names not marked yet (listed once from its folder; None: not listed yet, or the
+#: package is not in a folder, and ``sys.modules`` is scanned instead).
+_PENDING: Optional[list[str]] = None
+_LISTED = False
 
 
 def _skipper() -> Optional[Callable[[CodeType], None]]:
@@ -64,16 +69,58 @@ def _nested(code: CodeType) -> Iterator[CodeType]:
             yield from _nested(const)
 
 
+def _package_modules() -> Optional[list[str]]:
+    """Every module name of the package, from its folder (None where it is not a folder of files)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    names: list[str] = []
+    try:
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py")))
+            relative = os.path.relpath(folder, root)
+            prefix = _PACKAGE if relative == os.curdir else f"{_PACKAGE}.{relative.replace(os.sep, '.')}"
+            for file in sorted(files):
+                if file.endswith(".py"):
+                    stem = file[:-3]
+                    names.append(prefix if stem == "__init__" else f"{prefix}.{stem}")
+    except OSError:  # pragma: no cover - an unreadable folder
+        return None
+    return names or None
+
+
+def _candidates() -> list[tuple[str, Any]]:
+    """The package's imported modules not marked yet.
+
+    Looked up by name (a hundred lookups) rather than by scanning ``sys.modules``
+    (thousands of entries in a process that imported Lightning): this runs at
+    every run's start.
+    """
+    global _PENDING, _LISTED
+    if not _LISTED:
+        _PENDING, _LISTED = _package_modules(), True
+    if _PENDING is None:
+        prefix = _PACKAGE + "."
+        return [
+            (name, module) for name, module in list(sys.modules.items())
+            if name not in _DONE and module is not None and (name == _PACKAGE or name.startswith(prefix))
+        ]
+    found = []
+    for name in _PENDING:
+        module = sys.modules.get(name)
+        if module is not None:
+            found.append((name, module))
+    return found
+
+
 def skip_own_frames() -> int:
     """Mark the code objects of torchperf's imported modules for dynamo (if imported); returns how many."""
     skip = _skipper()
     if skip is None:
         return 0
     marked = 0
-    for name, module in list(sys.modules.items()):
-        if name in _DONE or module is None or not (name == _PACKAGE or name.startswith(_PACKAGE + ".")):
-            continue
+    for name, module in _candidates():
         _DONE.add(name)
+        if _PENDING is not None:
+            _PENDING.remove(name)
         seen: set[int] = set()
         for top in _functions(dict(vars(module)), name):
             for code in _nested(top):

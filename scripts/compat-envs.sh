@@ -44,6 +44,18 @@ find_python() {  # find_python 3.9: an interpreter of exactly that version, or n
 
 pip_in() { "$1/bin/python" -m pip install -q --disable-pip-version-check "${@:2}"; }
 
+# The plugin's wheel, built once from the working tree for every environment (they are built side by
+# side: one build folder for all of them would be a race).
+wheels=$(mktemp -d)
+logs=$(mktemp -d)
+trap 'rm -rf "$wheels" "$logs"' EXIT
+wheel() { compgen -G "$wheels/*.whl"; }
+build_wheel() {
+  "$python" -m pip wheel -q --disable-pip-version-check --no-deps -w "$wheels" "$root"
+  rm -rf "$root/build"
+  wheel >/dev/null || { echo "compat-envs: no wheel of the plugin was built" >&2; return 1; }
+}
+
 # build NAME INTERPRETER CHECK-CODE INSTALL-FUNCTION
 build() {
   local name=$1 interpreter=$2 check=$3 install=$4 env="$dest/$1"
@@ -61,8 +73,7 @@ build() {
     "$install" "$env"
   fi
   # Not editable, no dependencies: the environment's own pytest and torch stay as they are.
-  pip_in "$env" --no-deps --force-reinstall "$root"
-  rm -rf "$root/build"
+  pip_in "$env" --no-deps --force-reinstall "$(wheel)"
   "$env/bin/python" -c "$check"
   if "$env/bin/python" -c "import torch" >/dev/null 2>&1; then bash "$root/scripts/check-torch.sh" "$env/bin/python"; fi
   echo "$stamp" > "$env/.torchperf-stamp"
@@ -84,24 +95,43 @@ install_pytest_oldest() {
 install_python_oldest() { pip_in "$1" "pytest==$PYTEST_OLDEST" "pluggy==$PLUGGY_OLDEST" pytest-xdist; }
 install_python_newest() { pip_in "$1" pytest pytest-xdist; }
 
-build lightning "$python" \
+build_wheel
+# Each environment is built in the background, its output kept and shown in order once all are done:
+# most of a build is pip unpacking and compiling on one core, so two cores build about two at once.
+names=()
+pids=()
+start() {  # start NAME INTERPRETER CHECK-CODE INSTALL-FUNCTION
+  build "$@" >"$logs/$1.log" 2>&1 &
+  names+=("$1")
+  pids+=("$!")
+}
+start lightning "$python" \
   "import lightning.pytorch, pytest_torchperf, xdist, importlib.util as u; assert u.find_spec('pytorch_lightning') is None" \
   install_lightning
-build pytest-oldest "$python" \
+start pytest-oldest "$python" \
   "import torch, pytorch_lightning, pytest, pluggy, pytest_torchperf; assert pytest.__version__ == '$PYTEST_OLDEST'" \
   install_pytest_oldest
-missing=0
+status=0
 for version in 3.9 3.10 3.12 3.13; do
   if ! interpreter=$(find_python "$version"); then
     echo "compat-envs: no Python $version found (set PYTHON${version/./})" >&2
-    missing=1
+    status=1
     continue
   fi
   if [ "$version" = 3.9 ]; then
-    build "python-$version" "$interpreter" \
+    start "python-$version" "$interpreter" \
       "import pytest, pytest_torchperf; assert pytest.__version__ == '$PYTEST_OLDEST'" install_python_oldest
   else
-    build "python-$version" "$interpreter" "import pytest, xdist, pytest_torchperf" install_python_newest
+    start "python-$version" "$interpreter" "import pytest, xdist, pytest_torchperf" install_python_newest
   fi
 done
-exit "$missing"
+for i in "${!pids[@]}"; do
+  rc=0
+  wait "${pids[$i]}" || rc=$?
+  cat "$logs/${names[$i]}.log"
+  if [ "$rc" -ne 0 ]; then
+    echo "compat-envs: building ${names[$i]} failed (exit $rc)" >&2
+    status=1
+  fi
+done
+exit "$status"

@@ -8,17 +8,17 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 dest=${TORCHPERF_LEGACY_ENVS:-$root/.torchperf-envs}
 python=${PYTHON:-python3}
 mkdir -p "$dest"
-for version in 1.5.0 1.5.1; do
-  env="$dest/pytorch-lightning-$version"
+build() {  # build VERSION: the environment of pytorch-lightning VERSION (kept if it is ready)
+  local version=$1 env="$dest/pytorch-lightning-$1"
   if "$env/bin/python" -c "import pytorch_lightning, pytest_torchperf, pytest" >/dev/null 2>&1; then
     echo "legacy-envs: $env is ready"
-    continue
+    return 0
   fi
   echo "legacy-envs: building $env"
   rm -rf "$env"
   "$python" -m venv "$env"
   bash "$root/scripts/torch-layer.sh" "$env"  # torch 2.13.0 CPU from the shared layer
-  pip=("$env/bin/python" -m pip install -q --disable-pip-version-check)
+  local pip=("$env/bin/python" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" torch==2.13.0 pytest
   # 1.5.x imports pkg_resources, which setuptools 81 removed; torch 2.13.0 needs setuptools>=77.0.3.
   # A pin outside that window makes pip resolve another torch (a multi-GB CUDA build): checked below.
@@ -26,7 +26,20 @@ for version in 1.5.0 1.5.1; do
   "${pip[@]}" --no-deps "pytorch-lightning==$version"
   "${pip[@]}" future tqdm PyYAML fsspec tensorboard "torchmetrics==0.6.0" "pyDeprecate==0.3.1" \
     packaging typing-extensions numpy "setuptools>=77.0.3,<81"
-  "${pip[@]}" --no-deps -e "$root"
+  # One editable install at a time: each writes its metadata into the working tree.
+  flock "$dest/.editable.lock" "${pip[@]}" --no-deps -e "$root"
   "$env/bin/python" -c "import pytorch_lightning as pl; assert pl.__version__ == '$version', pl.__version__"
   bash "$root/scripts/check-torch.sh" "$env/bin/python"
-done
+}
+
+# Both are built side by side (most of a build is pip on one core), each one's output shown when done.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+build 1.5.0 >"$logs/1.5.0.log" 2>&1 &
+first=$!
+build 1.5.1 >"$logs/1.5.1.log" 2>&1 &
+second=$!
+status=0
+rc=0; wait "$first" || rc=$?; cat "$logs/1.5.0.log"; [ "$rc" -eq 0 ] || { echo "legacy-envs: pytorch-lightning 1.5.0 failed (exit $rc)" >&2; status=1; }
+rc=0; wait "$second" || rc=$?; cat "$logs/1.5.1.log"; [ "$rc" -eq 0 ] || { echo "legacy-envs: pytorch-lightning 1.5.1 failed (exit $rc)" >&2; status=1; }
+exit "$status"

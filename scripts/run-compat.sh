@@ -39,12 +39,14 @@ TORCHPERF_REQUIRE_LIGHTNING_PACKAGE=1 run "lightning $lightning_version (import 
   tests/test_data_parallel.py \
   --deselect tests/test_iterators.py::test_lightning_val_loader_without_persistent_workers_fails
 echo
-echo "=== compat: the example suites under lightning $lightning_version"
+echo "=== compat: the example suites under lightning $lightning_version (one session: the main job shows each)"
+suites=()
 for suite in examples/*/; do
   [ "$suite" = "examples/seed_bug/" ] && continue  # pytorch-lightning 1.5 only
   compgen -G "${suite}test_*.py" >/dev/null || continue
-  "$envs/lightning/bin/python" examples/run.py --expect by-name "$suite" -- -p no:warnings -q --tb=no || status=1
+  suites+=("$suite")
 done
+"$envs/lightning/bin/python" examples/run.py --expect by-name "${suites[@]}" -- -p no:warnings -q --tb=no || status=1
 run "pytest ${PYTEST_OLDEST:-7.0.0} and pluggy ${PLUGGY_OLDEST:-1.2.0} (the oldest supported), with torch" \
   pytest-oldest -n 2 -p no:warnings tests/test_plugin.py tests/test_adoption.py tests/test_options.py \
   tests/test_torch_free.py tests/test_baseline.py tests/test_github.py tests/test_ci_output.py \

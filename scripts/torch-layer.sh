@@ -12,12 +12,25 @@ env=$1
 dest=${TORCHPERF_TORCH_LAYER:-$root/.torchperf-envs}
 version=$("$env/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 layer="$dest/torch-2.13.0-py$version/site-packages"  # named so: frames there are a library's
+mkdir -p "$dest"
+# Environments are built side by side (legacy-envs.sh, compat-envs.sh): one builds the layer, the others wait.
+exec 9>"$dest/.torch-layer-py$version.lock"
+flock 9
 if [ ! -f "$layer/.torchperf-complete" ]; then
   echo "torch-layer: building $layer"
   rm -rf "$layer"
   mkdir -p "$layer"
   "$env/bin/python" -m pip install -q --disable-pip-version-check --no-compile --target "$layer" torch==2.13.0
   touch "$layer/.torchperf-complete"
+fi
+# Byte-compiled once, on every core (also a layer built before this step existed): a process never
+# writes the layer's .pyc files where PYTHONDONTWRITEBYTECODE is set (as on many CI machines), and then
+# each one that imports torch compiles it again (4-6 s a process; the suite starts hundreds). A file that
+# does not compile on this Python (torch's own tests of newer syntax) stays uncompiled: compileall's
+# status says only that.
+if [ ! -f "$layer/.torchperf-compiled" ]; then
+  "$env/bin/python" -m compileall -q -j 0 "$layer" >/dev/null || true
+  touch "$layer/.torchperf-compiled"
 fi
 site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$layer" > "$site/torchperf-torch-layer.pth"

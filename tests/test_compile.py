@@ -291,3 +291,20 @@ def test_a_fullgraph_compiled_fit_passes_under_the_bare_marker(user_models: pyte
     user_models.makepyfile(test_fit=FULLGRAPH)
     result = user_models.runpytest("-p", "no:warnings")
     result.assert_outcomes(passed=1)
+
+
+def test_every_module_of_the_package_imported_by_a_run_is_marked_for_dynamo() -> None:
+    # The modules are looked up by name (a run's start must not scan thousands of sys.modules entries):
+    # the names listed from the package's folder are exactly its modules.
+    import pkgutil
+    import sys
+
+    import pytest_torchperf
+    from pytest_torchperf import dynamo_frames
+
+    walked = {m.name for m in pkgutil.walk_packages(pytest_torchperf.__path__, "pytest_torchperf.")}
+    assert set(dynamo_frames._package_modules() or ()) == walked | {"pytest_torchperf"}
+    with watch():
+        pass
+    imported = {name for name in sys.modules if name.split(".")[0] == "pytest_torchperf"}
+    assert imported <= dynamo_frames._DONE

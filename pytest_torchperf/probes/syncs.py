@@ -346,12 +346,20 @@ class SyncsProbe(Probe):
 
             return functools.wraps(original)(wrapper)
 
+        #: What :func:`mask_in` can find a mask in.
+        maybe_mask = (tensor_type, tuple)
+
         def getitem(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
             def __getitem__(self: Any, index: Any) -> Any:
                 __tracebackhide__ = True
                 if type(self) is not tensor_type and dispatch.overrides(self):
                     return dispatch.call(original, self, (index,), {})
-                if not is_compiling() and flags.in_scope and _mask_or_none(mask_in, index) is not None:
+                # Only a tensor (or a tuple holding one) can be a mask: an int or a slice, as a dataset's
+                # ``tensor[i]`` for every sample, costs one isinstance.
+                if (
+                    isinstance(index, maybe_mask) and not is_compiling() and flags.in_scope
+                    and _mask_or_none(mask_in, index) is not None
+                ):
                     return observe(op, original, self, (index,), {}, getframe(1))
                 return original(self, index)
 
@@ -363,7 +371,10 @@ class SyncsProbe(Probe):
                 if type(self) is not tensor_type and dispatch.overrides(self):
                     dispatch.call(original, self, (index, value), {})
                     return
-                if not is_compiling() and flags.in_scope and _mask_or_none(mask_in, index) is not None:
+                if (
+                    isinstance(index, maybe_mask) and not is_compiling() and flags.in_scope
+                    and _mask_or_none(mask_in, index) is not None
+                ):
                     observe(op, original, self, (index, value), {}, getframe(1))
                     return
                 original(self, index, value)
