@@ -11,7 +11,10 @@ trap 'rm -rf "$work"' EXIT
 # A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
 [ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 .venv/bin/python -m pip install -q --disable-pip-version-check build  # the CI/test path only
-if ! .venv/bin/python -m build --outdir "$work/dist" "$root" >"$work/build.log" 2>&1; then
+# Under the lock of builds from the working tree (side environments may be built meanwhile: legacy-envs.sh).
+mkdir -p "$root/.torchperf-envs"
+if ! flock "$root/.torchperf-envs/.tree-build.lock" \
+    .venv/bin/python -m build --outdir "$work/dist" "$root" >"$work/build.log" 2>&1; then
   cat "$work/build.log"
   exit 1
 fi

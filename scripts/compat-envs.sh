@@ -50,9 +50,11 @@ wheels=$(mktemp -d)
 logs=$(mktemp -d)
 trap 'rm -rf "$wheels" "$logs"' EXIT
 wheel() { compgen -G "$wheels/*.whl"; }
-build_wheel() {
-  "$python" -m pip wheel -q --disable-pip-version-check --no-deps -w "$wheels" "$root"
-  rm -rf "$root/build"
+build_wheel() {  # under the lock of builds from the working tree (see legacy-envs.sh)
+  mkdir -p "$root/.torchperf-envs"
+  flock "$root/.torchperf-envs/.tree-build.lock" \
+    bash -c '"$1" -m pip wheel -q --disable-pip-version-check --no-deps -w "$2" "$3" && rm -rf "$3/build"' \
+    _ "$python" "$wheels" "$root"
   wheel >/dev/null || { echo "compat-envs: no wheel of the plugin was built" >&2; return 1; }
 }
 

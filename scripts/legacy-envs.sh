@@ -26,8 +26,10 @@ build() {  # build VERSION: the environment of pytorch-lightning VERSION (kept i
   "${pip[@]}" --no-deps "pytorch-lightning==$version"
   "${pip[@]}" future tqdm PyYAML fsspec tensorboard "torchmetrics==0.6.0" "pyDeprecate==0.3.1" \
     packaging typing-extensions numpy "setuptools>=77.0.3,<81"
-  # One editable install at a time: each writes its metadata into the working tree.
-  flock "$dest/.editable.lock" "${pip[@]}" --no-deps -e "$root"
+  # One build from the working tree at a time (this, the compat wheel, the package check): each writes
+  # its metadata there.
+  mkdir -p "$root/.torchperf-envs"
+  flock "$root/.torchperf-envs/.tree-build.lock" "${pip[@]}" --no-deps -e "$root"
   "$env/bin/python" -c "import pytorch_lightning as pl; assert pl.__version__ == '$version', pl.__version__"
   bash "$root/scripts/check-torch.sh" "$env/bin/python"
 }

@@ -18,9 +18,27 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[test]"
 bash scripts/check-torch.sh .venv/bin/python
-bash scripts/legacy-envs.sh
-export TORCHPERF_REQUIRE_LEGACY=1
 status=0
+# The side environments are built in the background while the linters and the package check run (a
+# build is mostly pip on one core, waiting on the disk or the network); each one's output is shown
+# when it is waited for.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+bash scripts/legacy-envs.sh >"$logs/legacy" 2>&1 &
+legacy=$!
+legacy_shown=
+compat=
+if [ "$#" -eq 0 ] && [ "${TORCHPERF_COMPAT:-1}" != 0 ]; then
+  bash scripts/compat-envs.sh >"$logs/compat" 2>&1 &
+  compat=$!
+fi
+waited() {  # waited PID LOG: wait for a background build and show its output; its status
+  local rc=0
+  wait "$1" || rc=$?
+  cat "$2"
+  return "$rc"
+}
+export TORCHPERF_REQUIRE_LEGACY=1
 # The package check and the compatibility runs first, so that the main suite's summary is the last line.
 if [ "$#" -eq 0 ]; then
   echo; echo "=== ruff check"
@@ -31,7 +49,14 @@ fi
 if [ "$#" -eq 0 ] && [ "${TORCHPERF_COMPAT:-1}" != 0 ]; then
   echo; echo "=== The package: sdist and wheel, installed in a fresh environment"
   bash scripts/check-package.sh || status=1
+  echo; echo "=== The side environments (built in the background)"
+  waited "$legacy" "$logs/legacy" || status=1
+  legacy_shown=1
+  waited "$compat" "$logs/compat" || status=1
   bash scripts/run-compat.sh || status=1
+fi
+if [ -z "$legacy_shown" ]; then  # TORCHPERF_COMPAT=0, or pytest arguments given: the suite needs them
+  waited "$legacy" "$logs/legacy" || status=1
 fi
 if [ "$#" -eq 0 ] && [ "${TORCHPERF_BENCH:-1}" != 0 ]; then
   echo; echo "=== Every benchmark, smoke setting"
