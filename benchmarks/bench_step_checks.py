@@ -227,6 +227,7 @@ def chosen_invariants(spec: str) -> dict[str, Any]:
 
 def variants_for(invariants: Any = None) -> Callable[..., dict[str, Callable[[], float]]]:
     from pytest_torchperf import watch
+    from pytest_torchperf.options import Options
 
     def variants(block: Any, plain_steps: Any, watched_steps: Any) -> dict[str, Callable[[], float]]:
         def plain() -> float:
@@ -240,11 +241,12 @@ def variants_for(invariants: Any = None) -> Callable[..., dict[str, Callable[[],
             with watch():
                 return block(plain_steps())
 
+        # Probes are installed for the invariants a run checks: the two step checks alone (every other
+        # default off, by the names this checkout knows: ``--against`` runs an older one too).
+        only_steps = {name: False for name in Options().enabled_checks if name not in ("no_host_sync", "on_device")}
+
         def step_checks_only() -> float:
-            # Probes are installed for the invariants a run checks: these two alone.
-            with watch(
-                no_iterator_reset=False, no_data_parallel=False, no_graph_breaks=False, no_debug_modes=False
-            ) as run:
+            with watch(**only_steps) as run:
                 return block(watched_steps(run))
 
         out = {"A": plain, "A'": plain, "S": step_checks_only, "B": watched, "C": installed}

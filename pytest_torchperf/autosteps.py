@@ -49,14 +49,17 @@ _MARKED = "marked steps"
 
 
 class _Armed:
-    """How many runs are armed now (read on the hot paths: one attribute load)."""
+    """How many runs are armed now (read on the hot paths: one attribute load; see ``core._Flags``)."""
 
-    count = 0
-    #: How many of them still look at backward passes (not yet in optimizer mode).
-    backward = 0
+    __slots__ = ("count", "backward")
+
+    def __init__(self) -> None:
+        self.count = 0
+        #: How many of them still look at backward passes (not yet in optimizer mode).
+        self.backward = 0
 
 
-ARMED = _Armed
+ARMED = _Armed()
 
 
 class AutoSteps:

@@ -75,17 +75,24 @@ class _Flags:
 
     Kept current by every scope transition of every run; a probe that only
     matters inside a step returns at once while ``in_scope`` is False.
+
+    One instance with slots, not class attributes: setting an attribute of a
+    class (twice a step) invalidates CPython's type caches, so every read of it
+    on the hot paths lost its specialised attribute load.
     """
 
-    #: Some run is watching.
-    active = False
-    #: Some active run's step checks apply right now (see :attr:`Run.in_scope`).
-    in_scope = False
-    #: Called with the new ``in_scope`` value whenever it changes (probes add and remove their own).
-    listeners: "list[Callable[[bool], None]]" = []
+    __slots__ = ("active", "in_scope", "listeners")
+
+    def __init__(self) -> None:
+        #: Some run is watching.
+        self.active = False
+        #: Some active run's step checks apply right now (see :attr:`Run.in_scope`).
+        self.in_scope = False
+        #: Called with the new ``in_scope`` value whenever it changes (probes add and remove their own).
+        self.listeners: "list[Callable[[bool], None]]" = []
 
 
-FLAGS = _Flags
+FLAGS = _Flags()
 
 _ACTIVE: list["Run"] = []
 
@@ -437,7 +444,10 @@ class _Step:
             run.batches += 1
         run._batch_depth = 1
         if not FLAGS.in_scope:  # a step puts its run in scope, whatever the scope option
-            _set_in_scope(True)
+            if FLAGS.listeners:
+                _set_in_scope(True)
+            else:
+                FLAGS.in_scope = True
         if run._step_events[0] and run._step_depth == 1:
             run._call(run._step_events[0])
         return run
@@ -447,6 +457,15 @@ class _Step:
         run._batch_depth = 0
         depth = run._step_depth - 1
         run._step_depth = depth if depth > 0 else 0
-        _refresh_scope()
+        if len(_ACTIVE) == 1 and _ACTIVE[0] is run:
+            # _refresh_scope() for the one run watching (the common case), inlined.
+            now = run._active and (depth > 0 or run._scope == "test")
+            if now is not FLAGS.in_scope:
+                if FLAGS.listeners:
+                    _set_in_scope(now)
+                else:
+                    FLAGS.in_scope = now
+        else:
+            _refresh_scope()
         if run._step_events[1] and depth == 0:
             run._call(run._step_events[1])

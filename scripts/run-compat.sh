@@ -2,7 +2,7 @@
 # Compatibility runs, each in a side environment of scripts/compat-envs.sh:
 #   - the unified `lightning` package (no pytorch_lightning): its own tests, the Lightning-facing
 #     test modules and every example suite (each *_buggy fails, each *_fixed passes)
-#   - the oldest pytest and pluggy supported, with torch: the plugin-glue test modules
+#   - the oldest pytest and pluggy supported, with torch: the plugin-glue test modules (fast tier)
 #   - Python 3.9 (with the oldest pytest), 3.10, 3.12 and 3.13 (the newest pytest), without torch:
 #     the torch-free test modules (tests/conftest.py TORCH_FREE), _slots' own tests among them
 # Exits non-zero if any run fails, or selects no test (that would be a broken run, not a pass).
@@ -50,7 +50,7 @@ done
 run "pytest ${PYTEST_OLDEST:-7.0.0} and pluggy ${PLUGGY_OLDEST:-1.2.0} (the oldest supported), with torch" \
   pytest-oldest -n 2 -p no:warnings tests/test_plugin.py tests/test_adoption.py tests/test_options.py \
   tests/test_torch_free.py tests/test_baseline.py tests/test_github.py tests/test_ci_output.py \
-  -k "not test_watch_works_from_a_plain_script and not test_xdist_gives_the_serial_verdicts"  # no pytest there; xdist: test_adoption
+  -m "not slow"  # the hooks and options in-process; the slow tier's subprocess sessions run in the suite
 for version in 3.9 3.10 3.12 3.13; do
   TORCHPERF_EXPECT_NO_TORCH=1 run "Python $version without torch: the torch-free tests" "python-$version" tests
 done

@@ -81,10 +81,12 @@ def readers() -> tuple[Callable[[], bool], Callable[[], bool], Callable[[], bool
     import torch
 
     profiler = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+    # torch's own C function where it has one (the public one is a Python call around it: read every step).
+    deterministic = getattr(torch._C, "_get_deterministic_algorithms", None)
     return (
         torch.is_anomaly_enabled,
         profiler if callable(profiler) else (lambda: False),
-        torch.are_deterministic_algorithms_enabled,
+        deterministic if callable(deterministic) else torch.are_deterministic_algorithms_enabled,
     )
 
 

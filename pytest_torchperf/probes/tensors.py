@@ -260,22 +260,26 @@ class TensorsProbe(HostRegistry, Probe):
                 if type(self) is not tensor_type and dispatch.overrides(self):
                     return dispatch.call(original, self, args, kwargs)
                 out = original(self, *args, **kwargs)
+                if not accelerated and births_get(id(self)) is None:
+                    # Fast path: not a host-born tensor (a batch, a parameter), unless a view of one. It only
+                    # reads, so ``is_compiling()`` (two Python calls) waits until something is to be recorded.
+                    base = self._base
+                    if base is None or births_get(id(base)) is None:
+                        if flags.in_scope and self._version == 0:  # maybe ``torch.Tensor(data).to(dev)``
+                            frame = getframe(1)
+                            # ``_plain_move``'s answer for a line read before, inlined: every batch's move
+                            code = frame.f_code
+                            entry = plain_get(id(code))
+                            if (
+                                (entry is None or entry[0] is not code or frame.f_lasti not in entry[1])
+                                and not is_compiling() and flags.active
+                            ):
+                                try:
+                                    probe.legacy_to(self, out, args, kwargs, frame)
+                                except Exception as exc:  # noqa: BLE001
+                                    probe.failed(exc)
+                        return out
                 if not is_compiling() and flags.active:
-                    if not accelerated and births_get(id(self)) is None:
-                        # Fast path: not a host-born tensor (a batch, a parameter), unless a view of one.
-                        base = self._base
-                        if base is None or births_get(id(base)) is None:
-                            if flags.in_scope and self._version == 0:  # maybe ``torch.Tensor(data).to(dev)``
-                                frame = getframe(1)
-                                # ``_plain_move``'s answer for a line read before, inlined: every batch's move
-                                code = frame.f_code
-                                entry = plain_get(id(code))
-                                if entry is None or entry[0] is not code or frame.f_lasti not in entry[1]:
-                                    try:
-                                        probe.legacy_to(self, out, args, kwargs, frame)
-                                    except Exception as exc:  # noqa: BLE001
-                                        probe.failed(exc)
-                            return out
                     try:
                         after_to(self, out, args, kwargs, getframe(1))
                     except Exception as exc:  # noqa: BLE001
