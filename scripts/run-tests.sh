@@ -60,7 +60,7 @@ if [ -z "$legacy_shown" ]; then  # TORCHPERF_COMPAT=0, or pytest arguments given
 fi
 if [ "$#" -eq 0 ] && [ "${TORCHPERF_BENCH:-1}" != 0 ]; then
   echo; echo "=== Every benchmark, smoke setting"
-  bash scripts/run-benchmarks.sh --smoke || status=1
+  TORCHPERF_BENCH_JOBS=${TORCHPERF_BENCH_JOBS:-2} bash scripts/run-benchmarks.sh --smoke || status=1
 fi
 args=("$@")
 if [ "$#" -eq 0 ]; then
