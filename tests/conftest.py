@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -112,3 +113,15 @@ def user_models(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makepyfile(torchperf_models=MODELS)
     pytester.syspathinsert()
     return pytester
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[None]:
+    """A one-process gloo process group (rank 0 of 1, a file store), destroyed after the test."""
+    import torch.distributed as dist  # here: the torch-free runs load this file too
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -15,6 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from pytest_torchperf import InvariantViolation
 from pytest_torchperf.report import Report
 
+#: The default invariants off (a test that checks only what it names).
+OFF = {"no_host_sync": False, "on_device": False, "no_iterator_reset": False, "no_data_parallel": False}
+
 
 def write_module(tmp_path: Path, name: str, source: str) -> tuple[ModuleType, int]:
     """Import ``source`` from ``tmp_path/name.py``; returns the module and the line marked ``# HERE``."""

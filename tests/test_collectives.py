@@ -8,27 +8,16 @@ in a fresh pytest and read the merged report.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from step_check_helpers import report_of
+from step_check_helpers import OFF, report_of
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pytest_torchperf import parse_options, step, watch
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, Report
-
-OFF = {"no_host_sync": False, "on_device": False, "no_iterator_reset": False, "no_data_parallel": False}
-
-
-@pytest.fixture
-def group(tmp_path: Any) -> Iterator[None]:
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Masked(torch.nn.Module):

@@ -13,13 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from step_check_helpers import report_of, write_module
+from step_check_helpers import OFF, report_of, write_module
 
 from pytest_torchperf import parse_options, stacks, watch
 from pytest_torchperf.baseline import compare, observe
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, Report
-
-OFF = {"no_host_sync": False, "on_device": False, "no_iterator_reset": False, "no_data_parallel": False}
 
 EMA = """
 import torch

@@ -32,7 +32,10 @@ from .. import core
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["Probe", "accelerator_available", "cuda_available", "guard", "is_compiling_function", "relocate_warnings"]
+__all__ = [
+    "ModuleProbe", "Probe", "accelerator_available", "cuda_available", "guard", "is_compiling_function",
+    "relocate_warnings",
+]
 
 
 class Probe:
@@ -142,6 +145,35 @@ def guard(probe: Probe, fn: Callable[..., Any]) -> Callable[..., Any]:
             return None
 
     return guarded
+
+
+class ModuleProbe(Probe):
+    """A probe that attaches to one module of torch's (dynamo's) once it is imported, and says if it could.
+
+    ``install`` waits for :attr:`module` (now if it is imported already, else at
+    its first import during the run) and then calls ``_attach(patcher, module)``;
+    ``attached`` is None until then, and what ``_attach`` sets it to after.
+    """
+
+    #: The module to attach to (``"torch._dynamo.convert_frame"``).
+    module = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attached: Optional[bool] = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.attached = None
+
+    def install(self, patcher: "Patcher") -> None:
+        """Attach to :attr:`module` now if it is imported, else as soon as it is; undone by ``patcher``."""
+        self.reset()
+        patcher.callback(self.reset, deferred=True)
+        patcher.on_import(self.module, guard(self, lambda module: self._attach(patcher, module)))
+
+    def _attach(self, patcher: "Patcher", module: Any) -> None:
+        raise NotImplementedError
 
 
 def relocate_warnings(patcher: "Patcher") -> None:

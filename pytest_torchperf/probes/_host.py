@@ -446,16 +446,22 @@ def describe_data(birth: Birth, data: Any, copies: bool) -> None:
             pass
         birth.copied = copies
     elif FLAGS.in_scope and isinstance(data, (list, tuple)) and 0 < len(data) <= 4096:
-        flat: list[Any] = []
-        stack = [data]
-        while stack and len(flat) <= 4096:
-            item = stack.pop()
-            if isinstance(item, (list, tuple)):
-                stack.extend(item)
-            else:
-                flat.append(item)
+        flat = _flattened(data)
         if len(flat) <= 4096 and all(isinstance(v, (bool, int, float)) for v in flat):
             birth.content = hash((len(data), tuple(flat)))
+
+
+def _flattened(data: "list[Any] | tuple[Any, ...]") -> list[Any]:
+    """The leaves of nested lists and tuples, stopping once past 4096 of them (a longer result means "too many")."""
+    flat: list[Any] = []
+    stack = [data]
+    while stack and len(flat) <= 4096:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            flat.append(item)
+    return flat
 
 
 def _data_kind(data: Any) -> str:
@@ -463,14 +469,7 @@ def _data_kind(data: Any) -> str:
     if isinstance(data, (bool, int, float)):
         return "scalar"
     if isinstance(data, (list, tuple)) and 0 < len(data) <= 4096:
-        flat: list[Any] = []
-        stack = [data]
-        while stack and len(flat) <= 4096:
-            item = stack.pop()
-            if isinstance(item, (list, tuple)):
-                stack.extend(item)
-            else:
-                flat.append(item)
+        flat = _flattened(data)
         if flat and all(isinstance(v, (bool, int, float)) for v in flat):
             if all(v == 0 for v in flat):
                 return "zeros"

@@ -18,12 +18,12 @@ import functools
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
 from ..stacks import Frame, Stack, capture
-from . import Probe, guard
+from . import ModuleProbe
 
 if TYPE_CHECKING:
     from ..patching import Patcher
@@ -79,23 +79,11 @@ def _user_stack(exc: Any, above: Stack) -> Stack:
     return tuple(outer + traced)
 
 
-class GraphBreaksProbe(Probe):
+class GraphBreaksProbe(ModuleProbe):
     name = "graph_breaks"
+    module = _SYMBOLIC_CONVERT
     #: Compiles are counted by the recompiles probe's compile-start callback.
     needs = ("recompiles",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.attached: Optional[bool] = None
-
-    def reset(self) -> None:
-        super().reset()
-        self.attached = None
-
-    def install(self, patcher: "Patcher") -> None:
-        self.reset()
-        patcher.callback(self.reset, deferred=True)
-        patcher.on_import(_SYMBOLIC_CONVERT, guard(self, lambda module: self._attach(patcher, module)))
 
     def _attach(self, patcher: "Patcher", symbolic_convert: Any) -> None:
         translator = getattr(symbolic_convert, "InstructionTranslatorBase", None)

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
 from ..stacks import capture
-from . import Probe, guard
+from . import ModuleProbe
 
 if TYPE_CHECKING:
     from ..patching import Patcher
@@ -35,22 +35,9 @@ _REASONS = ("get_and_maybe_log_recompilation_reasons", "get_and_maybe_log_recomp
 _LIMITS = ("exceeds_recompile_limit", "exceeds_cache_size_limit")
 
 
-class RecompilesProbe(Probe):
+class RecompilesProbe(ModuleProbe):
     name = "recompiles"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.attached: Optional[bool] = None
-
-    def reset(self) -> None:
-        super().reset()
-        self.attached = None
-
-    def install(self, patcher: "Patcher") -> None:
-        """Attach to dynamo now if it is imported, else as soon as it is; undone by ``patcher``."""
-        self.reset()
-        patcher.callback(self.reset, deferred=True)
-        patcher.on_import(_CONVERT_FRAME, guard(self, lambda module: self._attach(patcher, module)))
+    module = _CONVERT_FRAME
 
     def _attach(self, patcher: "Patcher", convert_frame: Any) -> None:
         """Patch dynamo's recompilation entry points in ``convert_frame``."""
