@@ -225,6 +225,16 @@ class Check:
     def settings(self, value: Any) -> None:  # a check of today's API may keep its own ``settings``
         self.__dict__["_settings"] = value
 
+    def step_polls(self) -> "tuple[tuple[Callable[[], object], Callable[[], None]], ...]":
+        """State read at the start of every training step: ``(read, hit)`` pairs, asked once, when the run starts.
+
+        The run calls each ``read()`` as a step begins and ``hit()`` when it returned true. For a
+        check that samples a switch every step, ``read`` is torch's own C function
+        (``torch.is_anomaly_enabled``): a few hundred instructions a step, where an ``on_step_start``
+        method is a Python call (with its own reads) every step. An error is the check's: "not checked".
+        """
+        return ()
+
     def result(self) -> CheckResult:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -257,6 +267,8 @@ class Run:
         self._handlers: dict[str, tuple[Callable[..., Any], ...]] = {}
         #: The checks' ``on_step_start`` / ``on_step_end`` methods (read by every step: set when the run starts).
         self._step_events: tuple[tuple[Callable[..., Any], ...], tuple[Callable[..., Any], ...]] = ((), ())
+        #: The checks' :meth:`Check.step_polls`, with each check's name: ``(read, hit, name)``.
+        self._polls: tuple[tuple[Callable[[], object], Callable[[], None], str], ...] = ()
         #: What ``step()`` returns: stateless, so one serves every step (and nested steps).
         self._step_block = _Step(self)
         #: Automatic steps (:mod:`pytest_torchperf.autosteps`) while the run is armed for them.
@@ -345,8 +357,19 @@ class Run:
             self.steps += 1
         self._step_depth += 1
         _refresh_scope()
-        if self._step_depth == 1 and self._step_events[0]:
-            self._call(self._step_events[0])
+        if self._step_depth == 1:
+            if self._polls:
+                self._poll()
+            if self._step_events[0]:
+                self._call(self._step_events[0])
+
+    def _poll(self) -> None:
+        for read, hit, name in self._polls:
+            try:
+                if read():
+                    hit()
+            except Exception as exc:  # noqa: BLE001 - see notify()
+                self.check_failed(name, exc)
 
     def step_ended(self) -> None:
         depth = self._step_depth - 1
@@ -381,6 +404,16 @@ class Run:
         self.enlist()
         self._handlers.clear()
         self._step_events = (self.handlers("on_step_start"), self.handlers("on_step_end"))
+        polls: list[tuple[Callable[[], object], Callable[[], None], str]] = []
+        for name, check in self.checks.items():
+            step_polls = getattr(check, "step_polls", None)  # a check need not derive from Check
+            if step_polls is None:
+                continue
+            try:
+                polls.extend((read, hit, name) for read, hit in step_polls())
+            except Exception as exc:  # noqa: BLE001 - see notify()
+                self.check_failed(name, exc)
+        self._polls = tuple(polls)
         self._batch_events = bool(self.handlers("on_batch_start") or self.handlers("on_batch_end"))
         self._active = True
         _refresh_flags()
@@ -448,11 +481,18 @@ class _Step:
                 _set_in_scope(True)
             else:
                 FLAGS.in_scope = True
-        if run._step_events[0] and run._step_depth == 1:
-            run._call(run._step_events[0])
+        if run._step_depth == 1:
+            for read, hit, name in run._polls:  # run._poll(), inlined
+                try:
+                    if read():
+                        hit()
+                except Exception as exc:  # noqa: BLE001 - see notify()
+                    run.check_failed(name, exc)
+            if run._step_events[0]:
+                run._call(run._step_events[0])
         return run
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         run = self.run
         run._batch_depth = 0
         depth = run._step_depth - 1

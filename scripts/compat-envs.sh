@@ -5,6 +5,8 @@
 #
 #   lightning      Python 3 (this one), torch 2.13.0, the unified `lightning` package and NOT
 #                  pytorch_lightning, pytest, pytest-xdist
+#   transformers   Python 3 (this one), torch 2.13.0, the test-transformers extra (transformers, accelerate,
+#                  pytest) and NOT pytorch_lightning: the Hugging Face Trainer's tests
 #   pytest-oldest  Python 3 (this one), torch 2.13.0, pytorch-lightning, the oldest pytest and
 #                  pluggy this plugin supports (PYTEST_OLDEST, PLUGGY_OLDEST), pytest-xdist
 #   python-3.9     the oldest Python supported, the oldest pytest and pluggy, no torch
@@ -57,6 +59,12 @@ build_wheel() {  # under the lock of builds from the working tree (see legacy-en
     _ "$python" "$wheels" "$root"
   wheel >/dev/null || { echo "compat-envs: no wheel of the plugin was built" >&2; return 1; }
 }
+# The wheel is built while the environments install their own packages (the lock may be held meanwhile
+# by the main environment's editable install): each waits for it only to install it.
+wheel_ready() {
+  while [ ! -e "$wheels/.done" ] && [ ! -e "$wheels/.failed" ]; do sleep 1; done
+  [ -e "$wheels/.done" ] || { echo "compat-envs: no wheel of the plugin to install" >&2; return 1; }
+}
 
 # build NAME INTERPRETER CHECK-CODE INSTALL-FUNCTION
 build() {
@@ -75,6 +83,7 @@ build() {
     "$install" "$env"
   fi
   # Not editable, no dependencies: the environment's own pytest and torch stay as they are.
+  wheel_ready
   pip_in "$env" --no-deps --force-reinstall "$(wheel)"
   "$env/bin/python" -c "$check"
   if "$env/bin/python" -c "import torch" >/dev/null 2>&1; then bash "$root/scripts/check-torch.sh" "$env/bin/python"; fi
@@ -94,10 +103,16 @@ install_pytest_oldest() {
   bash "$root/scripts/torch-layer.sh" "$1"
   pip_in "$1" torch==2.13.0 "pytest==$PYTEST_OLDEST" "pluggy==$PLUGGY_OLDEST" pytest-xdist pytorch-lightning
 }
+install_transformers() {
+  bash "$root/scripts/torch-layer.sh" "$1"
+  wheel_ready
+  pip_in "$1" torch==2.13.0 "$(wheel)[test-transformers]"
+}
 install_python_oldest() { pip_in "$1" "pytest==$PYTEST_OLDEST" "pluggy==$PLUGGY_OLDEST" pytest-xdist; }
 install_python_newest() { pip_in "$1" pytest pytest-xdist; }
 
-build_wheel
+{ if build_wheel; then touch "$wheels/.done"; else touch "$wheels/.failed"; fi; } >"$logs/wheel.log" 2>&1 &
+wheel_job=$!
 # Each environment is built in the background, its output kept and shown in order once all are done:
 # most of a build is pip unpacking and compiling on one core, so two cores build about two at once.
 names=()
@@ -110,6 +125,9 @@ start() {  # start NAME INTERPRETER CHECK-CODE INSTALL-FUNCTION
 start lightning "$python" \
   "import lightning.pytorch, pytest_torchperf, xdist, importlib.util as u; assert u.find_spec('pytorch_lightning') is None" \
   install_lightning
+start transformers "$python" \
+  "import transformers, accelerate, pytest_torchperf, importlib.util as u; assert u.find_spec('pytorch_lightning') is None" \
+  install_transformers
 start pytest-oldest "$python" \
   "import torch, pytorch_lightning, pytest, pluggy, pytest_torchperf; assert pytest.__version__ == '$PYTEST_OLDEST'" \
   install_pytest_oldest
@@ -127,6 +145,9 @@ for version in 3.9 3.10 3.12 3.13; do
     start "python-$version" "$interpreter" "import pytest, xdist, pytest_torchperf" install_python_newest
   fi
 done
+wait "$wheel_job" || true
+cat "$logs/wheel.log"
+[ -e "$wheels/.done" ] || status=1
 for i in "${!pids[@]}"; do
   rc=0
   wait "${pids[$i]}" || rc=$?

@@ -172,6 +172,17 @@ def events_page() -> str:
     ]
     for name, doc in core.EVENTS.items():
         lines.append(f"| `{name}` | {_cell(doc)} |")
+    lines += [
+        "",
+        "## State read every step",
+        "",
+        "A check that samples a switch at the start of every step (is anomaly detection on?) need not "
+        "define `on_step_start`, a Python call of its own every step: `step_polls()` returns `(read, hit)` "
+        "pairs, asked once when the run starts, and the run calls each `read()` as a step begins and "
+        "`hit()` when it returned true. With torch's own C function as `read` "
+        "(`torch.is_anomaly_enabled`), that costs a few hundred instructions a step. `no_debug_modes` "
+        "reads its switches this way.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -2,6 +2,7 @@
 # Compatibility runs, each in a side environment of scripts/compat-envs.sh:
 #   - the unified `lightning` package (no pytorch_lightning): its own tests, the Lightning-facing
 #     test modules and every example suite (each *_buggy fails, each *_fixed passes)
+#   - transformers (without Lightning): the Hugging Face Trainer's tests and the README's snippet of it
 #   - the oldest pytest and pluggy supported, with torch: the plugin-glue test modules (fast tier)
 #   - Python 3.9 (with the oldest pytest), 3.10, 3.12 and 3.13 (the newest pytest), without torch:
 #     the torch-free test modules (tests/conftest.py TORCH_FREE), _slots' own tests among them
@@ -47,6 +48,9 @@ for suite in examples/*/; do
   suites+=("$suite")
 done
 "$envs/lightning/bin/python" examples/run.py --expect by-name "${suites[@]}" -- -p no:warnings -q --tb=no || status=1
+transformers_version=$("$envs/transformers/bin/python" -c "import transformers; print(transformers.__version__)" 2>/dev/null || echo "?")
+TORCHPERF_REQUIRE_TRANSFORMERS=1 run "transformers $transformers_version: the Hugging Face Trainer's tests and the README's snippet" \
+  transformers -p no:warnings tests/test_frameworks.py tests/test_docs.py -k "hugging_face"
 run "pytest ${PYTEST_OLDEST:-7.0.0} and pluggy ${PLUGGY_OLDEST:-1.2.0} (the oldest supported), with torch" \
   pytest-oldest -n 2 -p no:warnings tests/test_plugin.py tests/test_adoption.py tests/test_options.py \
   tests/test_torch_free.py tests/test_baseline.py tests/test_github.py tests/test_ci_output.py \

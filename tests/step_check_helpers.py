@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import textwrap
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -45,3 +47,14 @@ def report_of(fn: Any, *args: Any, **kwargs: Any) -> Report:
     except InvariantViolation as exc:
         return exc.report
     return run.report
+
+
+def needs_transformers() -> None:
+    """Skip without transformers; with ``TORCHPERF_REQUIRE_TRANSFORMERS=1`` (the side environment the test
+    command runs those tests in, scripts/compat-envs.sh) fail instead. It is not in the test extras: with it
+    installed, every ``import pytorch_lightning`` imports it too (torchmetrics' BERTScore), 1.5 s a process."""
+    if importlib.util.find_spec("transformers") is None:
+        message = "transformers is not installed (pip install -e '.[test-transformers]')"
+        if os.environ.get("TORCHPERF_REQUIRE_TRANSFORMERS") == "1":
+            pytest.fail(message)
+        pytest.skip(message)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from step_check_helpers import needs_transformers
 
 from pytest_torchperf import core, registry
 
@@ -71,12 +72,15 @@ def _unique(snippets: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
     return out
 
 
-@pytest.mark.slow
-def test_the_snippets_run_as_written(pytester: pytest.Pytester) -> None:
+def _needs_transformers(code: str) -> bool:
+    return bool(re.search(r"^(from|import) transformers\b", code, flags=re.M))
+
+
+def _run_snippets(pytester: pytest.Pytester, snippets: list[tuple[str, int, str]]) -> pytest.RunResult:
     """Each snippet with a test passes (or fails with a torchperf report where it says `# fails`), in one session;
     each snippet without one runs as a script."""
     expected = {}
-    for page, index, code in _unique(SNIPPETS):
+    for page, index, code in snippets:
         name = f"{Path(page).stem.replace('-', '_').lower()}_{index}"
         if "def test_" not in code:
             path = pytester.makepyfile(**{f"script_{name}": code})
@@ -85,7 +89,7 @@ def test_the_snippets_run_as_written(pytester: pytest.Pytester) -> None:
             continue
         pytester.makepyfile(**{f"test_{name}": code})
         expected[f"test_{name}.py"] = "FAILED" if "# fails" in code else "PASSED"
-    assert len(expected) >= 3
+    assert expected
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning", "-rA")
     outcomes = {}
     for line in result.stdout.lines:
@@ -93,7 +97,25 @@ def test_the_snippets_run_as_written(pytester: pytest.Pytester) -> None:
         if len(words) >= 2 and words[0] in ("PASSED", "FAILED", "ERROR") and "::" in words[1]:
             outcomes[words[1].split("::")[0]] = words[0]
     assert outcomes == expected, result.stdout.str()[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_the_snippets_run_as_written(pytester: pytest.Pytester) -> None:
+    """Every snippet but those of the Hugging Face Trainer (the test after this one)."""
+    snippets = [s for s in _unique(SNIPPETS) if not _needs_transformers(s[2])]
+    assert len(snippets) >= 4
+    result = _run_snippets(pytester, snippets)
     result.stdout.fnmatch_lines(["torchperf: 1 invariant broken: no_host_sync (* syncs at test_getting_started_*.py:*"])
+
+
+@pytest.mark.slow
+def test_the_hugging_face_snippets_run_as_written(pytester: pytest.Pytester) -> None:
+    """Where transformers is installed: the test command runs this in its side environment (see conftest)."""
+    snippets = [s for s in _unique(SNIPPETS) if _needs_transformers(s[2])]
+    assert [page for page, _, _ in snippets] == ["README.md"]
+    needs_transformers()
+    _run_snippets(pytester, snippets)
 
 
 @pytest.mark.slow

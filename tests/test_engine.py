@@ -114,3 +114,60 @@ def test_a_later_unmarked_test_sees_torch_s_own_functions_after_a_failed_start(p
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_marked*RuntimeError: cannot be built*"])
+
+
+class Polled(Check):
+    """Counts the steps that began with its switch on; ``broken`` makes its read raise."""
+
+    switch = {"on": False, "broken": False}
+
+    def __init__(self, run: object) -> None:
+        super().__init__(run)  # type: ignore[arg-type]
+        self.hits = 0
+
+    def step_polls(self):  # type: ignore[no-untyped-def]
+        def read() -> bool:
+            if self.switch["broken"]:
+                raise RuntimeError("the switch cannot be read")
+            return self.switch["on"]
+
+        return ((read, self._hit),)
+
+    def _hit(self) -> None:
+        self.hits += 1
+
+    def result(self) -> CheckResult:
+        return CheckResult(self.name, "passed", f"on in {self.hits} steps")
+
+
+@pytest.fixture
+def polled() -> object:
+    Polled.switch.update(on=False, broken=False)
+    register(Invariant(name="polled", doc="a switch read every step", check=Polled))
+    yield Polled.switch
+    unregister("polled")
+
+
+def test_step_polls_are_read_as_each_outer_step_begins(polled: dict[str, bool]) -> None:
+    with watch(polled=True) as run:
+        for i in range(6):
+            polled["on"] = i % 2 == 1  # on as steps 2, 4 and 6 begin
+            with run.step():
+                with run.step():  # a nested step is not a new one
+                    polled["on"] = True
+        polled["on"] = True  # outside a step: not read
+    check = run.report.checks["polled"]
+    assert (check.status, check.summary) == ("passed", "on in 3 steps")
+
+
+def test_a_poll_that_raises_makes_its_check_not_checked_and_the_steps_go_on(polled: dict[str, bool]) -> None:
+    polled["broken"] = True
+    with watch(polled=True, no_host_sync=True) as run:
+        for _ in range(3):
+            with run.step():
+                torch.ones(2).sum()
+    assert run.steps == 3
+    check = run.report.checks["polled"]
+    assert check.status == "not checked"
+    assert "RuntimeError: the switch cannot be read" in check.summary
+    assert run.report.checks["no_host_sync"].status == "passed"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from step_check_helpers import needs_transformers
 
 LIBRARY = '''
 import torch
@@ -300,7 +301,7 @@ def test_max_overhead_is_not_checked():
 
 @pytest.mark.slow
 def test_hugging_face_trainer(pytester: pytest.Pytester) -> None:
-    pytest.importorskip("transformers")
+    needs_transformers()
     path = pytester.makepyfile(test_trainer=TRAINER)
     source = path.read_text()
     result = pytester.runpytest_subprocess("--torchperf-json=out.json", "-p", "no:cacheprovider")

@@ -13,9 +13,10 @@ Switches made for debugging cost every step when they are left on:
   slower kernels, or errors where none is deterministic. Reproducibility is a
   legitimate choice, so this one is a note; ``allow_deterministic=False`` fails on it.
 
-The check reads each state at the start of every training step (a C call
-each) and the probe (:mod:`pytest_torchperf.probes.debug_modes`) keeps where
-each was turned on during the run: your line, or the Trainer argument. The
+The check reads each state at the start of every training step (torch's C
+function for each, called by the run: no Python call of the check's, see
+``step_polls``) and the probe (:mod:`pytest_torchperf.probes.debug_modes`)
+keeps where each was turned on during the run: your line, or the Trainer argument. The
 anomaly mode torchperf turns on itself (``no_graph_retention``'s creation
 traces, ``max_overhead``'s replays) is not counted.
 
@@ -27,7 +28,8 @@ Nsight attached from outside) are not seen.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import trace
 from ..arguments import Argument, Flag
@@ -66,6 +68,10 @@ _HINT = {
 }
 
 
+def _on_every_step() -> bool:
+    return True
+
+
 class _Mode:
     def __init__(self) -> None:
         self.steps = 0
@@ -82,24 +88,33 @@ class DebugModesCheck(Check):
         self.allow_deterministic: bool = run.options.allow_deterministic
         self.modes: dict[str, _Mode] = {}
         self.stacks: dict[str, Stack] = {}
+        #: Training steps of the run (``run.steps``, read when it ends).
         self.steps = 0
         self._anomaly, self._profiler, self._deterministic = debug_modes.readers()
         self._graphs = graph_probe.PROBE
-        #: Read at the first step: CUDA reads the variable once, when it starts.
-        self._launch_blocking: Optional[bool] = None
+        #: ``CUDA_LAUNCH_BLOCKING`` was set when the run started.
+        self._launch_blocking = False
 
-    def on_step_start(self) -> None:
-        self.steps += 1
-        if self._anomaly() and self._graphs._restore is None:  # not torchperf's own creation trace
+    def step_polls(self) -> "tuple[tuple[Callable[[], object], Callable[[], None]], ...]":
+        """Each switch is read as every step starts: torch's own C functions, no Python call of ours a step."""
+        polls: list[tuple[Callable[[], object], Callable[[], None]]] = [
+            (self._anomaly, self._anomaly_on),
+            (self._profiler, self._profiler_on),
+            (self._deterministic, functools.partial(self._on, "deterministic")),
+        ]
+        # CUDA reads the variable once, when it starts: set before the run, it holds for every step.
+        if debug_modes.launch_blocking():
+            self._launch_blocking = True
+            polls.append((_on_every_step, functools.partial(self._on, "launch_blocking")))
+        return tuple(polls)
+
+    def _anomaly_on(self) -> None:
+        if self._graphs._restore is None:  # not torchperf's own creation trace
             self._on("anomaly")
-        if self._profiler() and not trace.recording():  # not torchperf's own --torchperf-trace
+
+    def _profiler_on(self) -> None:
+        if not trace.recording():  # not torchperf's own --torchperf-trace
             self._on("profiler")
-        if self._deterministic():
-            self._on("deterministic")
-        if self._launch_blocking is None:
-            self._launch_blocking = debug_modes.launch_blocking()
-        if self._launch_blocking:
-            self._on("launch_blocking")
 
     def _on(self, mode: str) -> None:
         seen = self.modes.get(mode)
@@ -109,6 +124,11 @@ class DebugModesCheck(Check):
         seen.steps += 1
 
     def on_run_end(self) -> None:
+        self.steps = self.run.steps
+        if not self._launch_blocking and self.steps and debug_modes.launch_blocking():
+            # set during the run, before CUDA started (it is read once): every step ran with it
+            self._on("launch_blocking")
+            self.modes["launch_blocking"].steps = self.steps
         for mode in self.modes:
             stack = debug_modes.turned_on(mode)
             if stack is not None:

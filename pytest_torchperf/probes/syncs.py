@@ -355,9 +355,9 @@ class SyncsProbe(Probe):
                 if type(self) is not tensor_type and dispatch.overrides(self):
                     return dispatch.call(original, self, (index,), {})
                 # Only a tensor (or a tuple holding one) can be a mask: an int or a slice, as a dataset's
-                # ``tensor[i]`` for every sample, costs one isinstance.
+                # ``tensor[i]`` for every sample, costs one isinstance in a step, and nothing more outside.
                 if (
-                    isinstance(index, maybe_mask) and not is_compiling() and flags.in_scope
+                    flags.in_scope and isinstance(index, maybe_mask) and not is_compiling()
                     and _mask_or_none(mask_in, index) is not None
                 ):
                     return observe(op, original, self, (index,), {}, getframe(1))
@@ -372,7 +372,7 @@ class SyncsProbe(Probe):
                     dispatch.call(original, self, (index, value), {})
                     return
                 if (
-                    isinstance(index, maybe_mask) and not is_compiling() and flags.in_scope
+                    flags.in_scope and isinstance(index, maybe_mask) and not is_compiling()
                     and _mask_or_none(mask_in, index) is not None
                 ):
                     observe(op, original, self, (index, value), {}, getframe(1))

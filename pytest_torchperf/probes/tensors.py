@@ -76,6 +76,9 @@ from ._host import (
     subclass_dispatch,
 )
 
+#: ``to()``'s first argument when none was given.
+_UNSET = object()
+
 if TYPE_CHECKING:
     from ..patching import Patcher
 
@@ -251,34 +254,47 @@ class TensorsProbe(HostRegistry, Probe):
             else:
                 probe.on_move("to", self, target, out, frame)
 
-        births_get = self.births.get
+        births = self.births  # cleared in place (reset()), never replaced
+        births_get = births.get
         plain_get = self._plain.get
+        unset = _UNSET
 
         def wrap_to(original: Callable[..., Any]) -> Callable[..., Any]:
-            def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # ``target`` apart: ``x.to(device)``, the usual call, passes its one argument without a
+            # tuple and a dict built and unpacked (a third of what the wrapper costs a batch).
+            def to(self: Any, target: Any = unset, /, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
-                if type(self) is not tensor_type and dispatch.overrides(self):
-                    return dispatch.call(original, self, args, kwargs)
-                out = original(self, *args, **kwargs)
-                if not accelerated and births_get(id(self)) is None:
-                    # Fast path: not a host-born tensor (a batch, a parameter), unless a view of one. It only
+                if target is not unset and not args and not kwargs and type(self) is tensor_type:
+                    out = original(self, target)
+                    args = (target,)
+                else:
+                    if target is not unset:
+                        args = (target,) + args
+                    if type(self) is not tensor_type and dispatch.overrides(self):
+                        return dispatch.call(original, self, args, kwargs)
+                    out = original(self, *args, **kwargs)
+                if not accelerated and (
+                    not births or (
+                        births_get(id(self)) is None
+                        and ((base := self._base) is None or births_get(id(base)) is None)
+                    )
+                ):
+                    # Fast path: not a host-born tensor (a batch, a parameter), nor a view of one. It only
                     # reads, so ``is_compiling()`` (two Python calls) waits until something is to be recorded.
-                    base = self._base
-                    if base is None or births_get(id(base)) is None:
-                        if flags.in_scope and self._version == 0:  # maybe ``torch.Tensor(data).to(dev)``
-                            frame = getframe(1)
-                            # ``_plain_move``'s answer for a line read before, inlined: every batch's move
-                            code = frame.f_code
-                            entry = plain_get(id(code))
-                            if (
-                                (entry is None or entry[0] is not code or frame.f_lasti not in entry[1])
-                                and not is_compiling() and flags.active
-                            ):
-                                try:
-                                    probe.legacy_to(self, out, args, kwargs, frame)
-                                except Exception as exc:  # noqa: BLE001
-                                    probe.failed(exc)
-                        return out
+                    if flags.in_scope and self._version == 0:  # maybe ``torch.Tensor(data).to(dev)``
+                        frame = getframe(1)
+                        # ``_plain_move``'s answer for a line read before, inlined: every batch's move
+                        code = frame.f_code
+                        entry = plain_get(id(code))
+                        if (
+                            (entry is None or entry[0] is not code or frame.f_lasti not in entry[1])
+                            and not is_compiling() and flags.active
+                        ):
+                            try:
+                                probe.legacy_to(self, out, args, kwargs, frame)
+                            except Exception as exc:  # noqa: BLE001
+                                probe.failed(exc)
+                    return out
                 if not is_compiling() and flags.active:
                     try:
                         after_to(self, out, args, kwargs, getframe(1))
