@@ -6,11 +6,26 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${PYTHON:-python3}
+# Where PYTHONDONTWRITEBYTECODE is set (as on many CI machines) no process writes a bytecode cache, and
+# each example session compiles the plugin again.
+unset PYTHONDONTWRITEBYTECODE
+# The pytorch-lightning 1.5 environments are built in the background, beside the main one (the first to
+# need the shared torch layer builds it, scripts/torch-layer.sh; the other waits for it).
+mkdir -p .torchperf-envs
+legacy_log=$(mktemp)
+bash scripts/legacy-envs.sh >"$legacy_log" 2>&1 &
+legacy=$!
 # A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
 [ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[lightning]"
+# The editable install writes the plugin's metadata into the tree: one build from it at a time.
+flock .torchperf-envs/.tree-build.lock \
+  .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[lightning]"
 bash scripts/check-torch.sh .venv/bin/python
-bash scripts/legacy-envs.sh
+legacy_status=0
+wait "$legacy" || legacy_status=$?
+cat "$legacy_log"
+rm -f "$legacy_log"
+[ "$legacy_status" -eq 0 ] || exit "$legacy_status"
 envs=${TORCHPERF_LEGACY_ENVS:-$root/.torchperf-envs}
 status=0
 run() { .venv/bin/python examples/run.py "$@" -- -p no:warnings || status=1; }
