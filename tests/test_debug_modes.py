@@ -107,6 +107,13 @@ def test_cuda_launch_blocking_in_the_environment_fails(monkeypatch: pytest.Monke
     assert check.findings[0].facts[0] == "set in the environment (CUDA_LAUNCH_BLOCKING)"
 
 
+def test_cuda_launch_blocking_set_inside_the_watched_block_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_LAUNCH_BLOCKING", raising=False)
+    check = report_of(_steps(lambda: monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")))["no_debug_modes"]
+    assert check.status == FAILED
+    assert check.findings[0].title == "CUDA_LAUNCH_BLOCKING=1 was on in 3 of 3 training steps"
+
+
 def test_the_autograd_profiler_left_on_fails() -> None:
     profiler = torch.autograd.profiler.profile()
 
