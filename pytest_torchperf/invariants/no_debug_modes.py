@@ -68,10 +68,6 @@ _HINT = {
 }
 
 
-def _on_every_step() -> bool:
-    return True
-
-
 class _Mode:
     def __init__(self) -> None:
         self.steps = 0
@@ -92,21 +88,16 @@ class DebugModesCheck(Check):
         self.steps = 0
         self._anomaly, self._profiler, self._deterministic = debug_modes.readers()
         self._graphs = graph_probe.PROBE
-        #: ``CUDA_LAUNCH_BLOCKING`` was set when the run started.
-        self._launch_blocking = False
+        #: ``CUDA_LAUNCH_BLOCKING`` was set when the run started (read again when it ends).
+        self._launch_blocking = debug_modes.launch_blocking()
 
     def step_polls(self) -> "tuple[tuple[Callable[[], object], Callable[[], None]], ...]":
         """Each switch is read as every step starts: torch's own C functions, no Python call of ours a step."""
-        polls: list[tuple[Callable[[], object], Callable[[], None]]] = [
+        return (
             (self._anomaly, self._anomaly_on),
             (self._profiler, self._profiler_on),
             (self._deterministic, functools.partial(self._on, "deterministic")),
-        ]
-        # CUDA reads the variable once, when it starts: set before the run, it holds for every step.
-        if debug_modes.launch_blocking():
-            self._launch_blocking = True
-            polls.append((_on_every_step, functools.partial(self._on, "launch_blocking")))
-        return tuple(polls)
+        )
 
     def _anomaly_on(self) -> None:
         if self._graphs._restore is None:  # not torchperf's own creation trace
@@ -125,8 +116,8 @@ class DebugModesCheck(Check):
 
     def on_run_end(self) -> None:
         self.steps = self.run.steps
-        if not self._launch_blocking and self.steps and debug_modes.launch_blocking():
-            # set during the run, before CUDA started (it is read once): every step ran with it
+        if self.steps and (self._launch_blocking or debug_modes.launch_blocking()):
+            # CUDA reads the variable once, when it starts: set before the run or during it, every step ran with it
             self._on("launch_blocking")
             self.modes["launch_blocking"].steps = self.steps
         for mode in self.modes:
