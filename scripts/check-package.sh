@@ -12,8 +12,7 @@ trap 'rm -rf "$work"' EXIT
 [ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 .venv/bin/python -m pip install -q --disable-pip-version-check build  # the CI/test path only
 # Under the lock of builds from the working tree (side environments may be built meanwhile: legacy-envs.sh).
-mkdir -p "$root/.torchperf-envs"
-if ! flock "$root/.torchperf-envs/.tree-build.lock" \
+if ! bash "$root/scripts/tree-build.sh" \
     .venv/bin/python -m build --outdir "$work/dist" "$root" >"$work/build.log" 2>&1; then
   cat "$work/build.log"
   exit 1

@@ -52,9 +52,8 @@ wheels=$(mktemp -d)
 logs=$(mktemp -d)
 trap 'rm -rf "$wheels" "$logs"' EXIT
 wheel() { compgen -G "$wheels/*.whl"; }
-build_wheel() {  # under the lock of builds from the working tree (see legacy-envs.sh)
-  mkdir -p "$root/.torchperf-envs"
-  flock "$root/.torchperf-envs/.tree-build.lock" \
+build_wheel() {  # under the lock of builds from the working tree (scripts/tree-build.sh)
+  bash "$root/scripts/tree-build.sh" \
     bash -c '"$1" -m pip wheel -q --disable-pip-version-check --no-deps -w "$2" "$3" && rm -rf "$3/build"' \
     _ "$python" "$wheels" "$root"
   wheel >/dev/null || { echo "compat-envs: no wheel of the plugin was built" >&2; return 1; }

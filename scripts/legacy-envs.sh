@@ -28,8 +28,7 @@ build() {  # build VERSION: the environment of pytorch-lightning VERSION (kept i
     packaging typing-extensions numpy "setuptools>=77.0.3,<81"
   # One build from the working tree at a time (this, the compat wheel, the package check): each writes
   # its metadata there.
-  mkdir -p "$root/.torchperf-envs"
-  flock "$root/.torchperf-envs/.tree-build.lock" "${pip[@]}" --no-deps -e "$root"
+  bash "$root/scripts/tree-build.sh" "${pip[@]}" --no-deps -e "$root"
   "$env/bin/python" -c "import pytorch_lightning as pl; assert pl.__version__ == '$version', pl.__version__"
   bash "$root/scripts/check-torch.sh" "$env/bin/python"
 }

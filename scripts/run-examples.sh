@@ -11,14 +11,13 @@ python=${PYTHON:-python3}
 unset PYTHONDONTWRITEBYTECODE
 # The pytorch-lightning 1.5 environments are built in the background, beside the main one (the first to
 # need the shared torch layer builds it, scripts/torch-layer.sh; the other waits for it).
-mkdir -p .torchperf-envs
 legacy_log=$(mktemp)
 bash scripts/legacy-envs.sh >"$legacy_log" 2>&1 &
 legacy=$!
 # A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
 [ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 # The editable install writes the plugin's metadata into the tree: one build from it at a time.
-flock .torchperf-envs/.tree-build.lock \
+bash scripts/tree-build.sh \
   .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[lightning]"
 bash scripts/check-torch.sh .venv/bin/python
 legacy_status=0

@@ -23,7 +23,6 @@ unset PYTHONDONTWRITEBYTECODE
 # torch layer builds it (scripts/torch-layer.sh), the others wait for it.
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-mkdir -p .torchperf-envs
 bash scripts/legacy-envs.sh >"$logs/legacy" 2>&1 &
 legacy=$!
 legacy_shown=
@@ -35,7 +34,7 @@ fi
 # A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
 [ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 # The editable install writes the plugin's metadata into the tree: one build from it at a time.
-flock .torchperf-envs/.tree-build.lock \
+bash scripts/tree-build.sh \
   .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[test]"
 bash scripts/check-torch.sh .venv/bin/python
 status=0
