@@ -29,7 +29,7 @@ Nsight attached from outside) are not seen.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import trace
 from ..arguments import Argument, Flag
@@ -71,7 +71,6 @@ _HINT = {
 class _Mode:
     def __init__(self) -> None:
         self.steps = 0
-        self.first: Optional[int] = None
 
 
 class DebugModesCheck(Check):
@@ -111,7 +110,6 @@ class DebugModesCheck(Check):
         seen = self.modes.get(mode)
         if seen is None:
             seen = self.modes[mode] = _Mode()
-            seen.first = self.run.units
         seen.steps += 1
 
     def on_run_end(self) -> None:
