@@ -99,10 +99,11 @@ def run_once(body: Callable, variant: str, tmp: str) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; no budget verdict)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; no figures)")
     args = parser.parse_args()
-    if args.smoke:
-        args.rounds = 2
+    warmup = 1
+    if args.smoke:  # every variant of both bodies once: that it runs, not what it costs
+        args.rounds, warmup = 1, 0
     torch.set_num_threads(1)
     import logging
 
@@ -113,18 +114,18 @@ def main() -> None:
         "plain loop, 24 steps": lambda run, tmp: plain_loop(run),
     }
     variants = ("watched", "traced", "traced+saved")
-    print(f"{args.rounds} interleaved rounds after one warm-up, 1 thread, torch {torch.__version__}")
+    print(f"{args.rounds} interleaved rounds after {warmup} warm-up, 1 thread, torch {torch.__version__}")
     print("| test body | watched (median) | + trace, passing | + trace, failing (written) | file |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, body in bodies.items():
             times: dict[str, list[float]] = {v: [] for v in variants}
             sizes = []
-            for round_ in range(args.rounds + 1):
+            for round_ in range(args.rounds + warmup):
                 order = variants if round_ % 2 == 0 else variants[::-1]
                 for variant in order:
                     seconds, size = run_once(body, variant, tmp)
-                    if round_:
+                    if round_ >= warmup:
                         times[variant].append(seconds)
                         if size:
                             sizes.append(size)
@@ -132,7 +133,7 @@ def main() -> None:
 
             def added(variant: str) -> str:
                 diffs = sorted((t - w) * 1000 for t, w in zip(times[variant], times["watched"]))
-                q = statistics.quantiles(diffs, n=4)
+                q = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3
                 return f"+{statistics.median(diffs):.0f} ms (IQR {q[0]:.0f}..{q[2]:.0f})"
 
             print(

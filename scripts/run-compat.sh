@@ -12,6 +12,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 envs=${TORCHPERF_COMPAT_ENVS:-$root/.torchperf-envs}
 status=0
+# The environments are installed with `pip --no-compile`: the first process to import a module writes its
+# bytecode cache.
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/compat-envs.sh || status=1
 
 run() {  # run TITLE ENV PYTEST-ARGS...
@@ -39,6 +42,18 @@ TORCHPERF_REQUIRE_LIGHTNING_PACKAGE=1 run "lightning $lightning_version (import 
   tests/test_workers.py tests/test_grads.py tests/test_cuda_cache.py tests/test_recompiles.py \
   tests/test_data_parallel.py \
   --deselect tests/test_iterators.py::test_lightning_val_loader_without_persistent_workers_fails
+# The Hugging Face run is one process (one core): it runs in the background beside the example suites
+# and the torch-free runs (one process each too), its output shown after theirs.
+transformers_version=$("$envs/transformers/bin/python" -c "import transformers; print(transformers.__version__)" 2>/dev/null || echo "?")
+transformers_log=$(mktemp)
+trap 'rm -f "$transformers_log"' EXIT
+(
+  status=0
+  TORCHPERF_REQUIRE_TRANSFORMERS=1 run "transformers $transformers_version: the Hugging Face Trainer's tests and the README's snippet" \
+    transformers -p no:warnings tests/test_frameworks.py tests/test_docs.py -k "hugging_face"
+  exit "$status"
+) >"$transformers_log" 2>&1 &
+transformers=$!
 echo
 echo "=== compat: the example suites under lightning $lightning_version (one session: the main job shows each)"
 suites=()
@@ -48,9 +63,6 @@ for suite in examples/*/; do
   suites+=("$suite")
 done
 "$envs/lightning/bin/python" examples/run.py --expect by-name "${suites[@]}" -- -p no:warnings -q --tb=no || status=1
-transformers_version=$("$envs/transformers/bin/python" -c "import transformers; print(transformers.__version__)" 2>/dev/null || echo "?")
-TORCHPERF_REQUIRE_TRANSFORMERS=1 run "transformers $transformers_version: the Hugging Face Trainer's tests and the README's snippet" \
-  transformers -p no:warnings tests/test_frameworks.py tests/test_docs.py -k "hugging_face"
 run "pytest ${PYTEST_OLDEST:-7.0.0} and pluggy ${PLUGGY_OLDEST:-1.2.0} (the oldest supported), with torch" \
   pytest-oldest -n 2 -p no:warnings tests/test_plugin.py tests/test_adoption.py tests/test_options.py \
   tests/test_torch_free.py tests/test_baseline.py tests/test_github.py tests/test_ci_output.py \
@@ -58,4 +70,8 @@ run "pytest ${PYTEST_OLDEST:-7.0.0} and pluggy ${PLUGGY_OLDEST:-1.2.0} (the olde
 for version in 3.9 3.10 3.12 3.13; do
   TORCHPERF_EXPECT_NO_TORCH=1 run "Python $version without torch: the torch-free tests" "python-$version" tests
 done
+rc=0
+wait "$transformers" || rc=$?
+cat "$transformers_log"
+[ "$rc" -eq 0 ] || status=1
 exit "$status"
