@@ -83,6 +83,8 @@ def tiny_loader() -> DataLoader:
 def timed_fit(root: str, module: Any, loader: DataLoader, max_overhead: Any, rounds: int) -> dict[str, Any]:
     """One test's worth: the fit under ``watch(max_overhead=...)``; its verdict and figures."""
     started = time.perf_counter()
+    if isinstance(max_overhead, float) and max_overhead > 1:
+        max_overhead = f"{max_overhead:.1%}"  # a fraction above 1 is refused as a likely percentage
     run = None
     try:
         with watch(max_overhead=max_overhead, overhead_rounds=rounds, **ONLY_OVERHEAD) as run:

@@ -218,11 +218,33 @@ def test_a_callback_can_deepcopy_pickle_and_save_the_module_mid_fit(user_models:
 def test_dataloader_workers_with_spawn_start_methods_run_under_the_marker(
     user_models: pytest.Pytester, context: str
 ) -> None:
+    # Each spawned worker imports the dataset's module to unpickle it: a module with torch only (the
+    # models' module imports Lightning, seconds of every worker's start-up).
     user_models.makepyfile(
+        spawn_loaders="""
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+
+
+        class RandomDataset(Dataset):
+            def __init__(self, n=32, width=8):
+                self.x = torch.randn(n, width)
+                self.y = torch.randn(n, 1)
+
+            def __len__(self):
+                return len(self.x)
+
+            def __getitem__(self, i):
+                return self.x[i], self.y[i]
+
+
+        def make_loader(**kwargs):
+            return DataLoader(RandomDataset(), batch_size=8, persistent_workers=True, **kwargs)
+        """,
         test_workers=f"""
         import pytest
         import torch
-        from torchperf_models import make_loader
+        from spawn_loaders import make_loader
 
         def epochs(loader):
             return [[x.sum().item() for x, _ in loader] for _ in range(2)]
