@@ -15,7 +15,11 @@ status=0
 # The environments are installed with `pip --no-compile`: the first process to import a module writes its
 # bytecode cache.
 unset PYTHONDONTWRITEBYTECODE
-bash scripts/compat-envs.sh || status=1
+# Built (or checked) first, unless the caller has just done it (run-tests.sh: checking them again costs
+# 20 CPU-seconds of imports and a wheel build).
+if [ "${TORCHPERF_COMPAT_ENVS_BUILT:-0}" != 1 ]; then
+  bash scripts/compat-envs.sh || status=1
+fi
 
 run() {  # run TITLE ENV PYTEST-ARGS...
   local title=$1 env=$2 rc=0
