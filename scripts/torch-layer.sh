@@ -24,7 +24,7 @@ if [ ! -f "$layer/.torchperf-complete" ]; then
   touch "$layer/.torchperf-complete"
 fi
 # Byte-compiled once, by importing what the suite's processes import (torch, TorchDynamo and
-# torch.distributed, as Lightning does: about 1,500 of the layer's 5,000 modules, 7 CPU-seconds; all of
+# torch.distributed, as Lightning does: about 1,500 of the layer's 5,000 modules, 10 CPU-seconds; all of
 # them took 28): a process never writes the layer's .pyc files where PYTHONDONTWRITEBYTECODE is set (as
 # on many CI machines), and then each one that imports torch compiles it again (4-6 s a process; the
 # suite starts hundreds). The scripts unset it, so the first process that imports another module of the

@@ -38,17 +38,10 @@ from pytest_torchperf import registry  # noqa: E402
 
 registry.invariants()
 
-MODELS = textwrap.dedent(
-    '''
-    import torch
-    from torch.utils.data import DataLoader, Dataset
-
-    try:
-        import pytorch_lightning as pl
-    except ImportError:  # pragma: no cover - the lightning package only
-        import lightning.pytorch as pl
-
-
+#: The models' dataset, also on its own: a module with torch only is what a spawned DataLoader worker
+#: imports to unpickle it (the models' module imports Lightning, seconds of every worker's start-up).
+DATASET = textwrap.dedent(
+    '''\
     class RandomDataset(Dataset):
         def __init__(self, n=32, width=8):
             self.x = torch.randn(n, width)
@@ -59,51 +52,70 @@ MODELS = textwrap.dedent(
 
         def __getitem__(self, i):
             return self.x[i], self.y[i]
-
-
-    def make_loader(num_workers=2, persistent_workers=True, n=32, batch_size=8, **kwargs):
-        if num_workers == 0:
-            persistent_workers = False
-        return DataLoader(
-            RandomDataset(n),
-            batch_size=batch_size,
-            num_workers=num_workers,
-            persistent_workers=persistent_workers,
-            **kwargs,
-        )
-
-
-    class TinyModule(pl.LightningModule):
-        def __init__(self, width=8):
-            super().__init__()
-            self.layer = torch.nn.Linear(width, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = torch.nn.functional.mse_loss(self.layer(x), y)
-            self.log("train_loss", loss, prog_bar=True)
-            return loss
-
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-    def make_trainer(tmp_path, max_epochs=3, **kwargs):
-        kwargs.setdefault("num_sanity_val_steps", 1)
-        return pl.Trainer(
-            max_epochs=max_epochs,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=str(tmp_path),
-            **kwargs,
-        )
     '''
+)
+MODELS = (
+    textwrap.dedent(
+        '''
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+
+        try:
+            import pytorch_lightning as pl
+        except ImportError:  # pragma: no cover - the lightning package only
+            import lightning.pytorch as pl
+
+
+    '''
+    )
+    + DATASET
+    + "\n\n"
+    + textwrap.dedent(
+        '''\
+        def make_loader(num_workers=2, persistent_workers=True, n=32, batch_size=8, **kwargs):
+            if num_workers == 0:
+                persistent_workers = False
+            return DataLoader(
+                RandomDataset(n),
+                batch_size=batch_size,
+                num_workers=num_workers,
+                persistent_workers=persistent_workers,
+                **kwargs,
+            )
+
+
+        class TinyModule(pl.LightningModule):
+            def __init__(self, width=8):
+                super().__init__()
+                self.layer = torch.nn.Linear(width, 1)
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                loss = torch.nn.functional.mse_loss(self.layer(x), y)
+                self.log("train_loss", loss, prog_bar=True)
+                return loss
+
+            def validation_step(self, batch, batch_idx):
+                x, y = batch
+                self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+        def make_trainer(tmp_path, max_epochs=3, **kwargs):
+            kwargs.setdefault("num_sanity_val_steps", 1)
+            return pl.Trainer(
+                max_epochs=max_epochs,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                default_root_dir=str(tmp_path),
+                **kwargs,
+            )
+        '''
+    )
 )
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DATASET
 from torch.utils.data import DataLoader, TensorDataset
 from transparency_battery import BEHAVIOURS
 
@@ -220,27 +221,15 @@ def test_dataloader_workers_with_spawn_start_methods_run_under_the_marker(
 ) -> None:
     # Each spawned worker imports the dataset's module to unpickle it: a module with torch only (the
     # models' module imports Lightning, seconds of every worker's start-up).
-    user_models.makepyfile(
-        spawn_loaders="""
-        import torch
-        from torch.utils.data import DataLoader, Dataset
-
-
-        class RandomDataset(Dataset):
-            def __init__(self, n=32, width=8):
-                self.x = torch.randn(n, width)
-                self.y = torch.randn(n, 1)
-
-            def __len__(self):
-                return len(self.x)
-
-            def __getitem__(self, i):
-                return self.x[i], self.y[i]
-
+    loaders = "import torch\nfrom torch.utils.data import DataLoader, Dataset\n\n\n" + DATASET + textwrap.dedent(
+        """
 
         def make_loader(**kwargs):
             return DataLoader(RandomDataset(), batch_size=8, persistent_workers=True, **kwargs)
-        """,
+        """
+    )
+    user_models.makepyfile(
+        spawn_loaders=loaders,
         test_workers=f"""
         import pytest
         import torch
