@@ -116,8 +116,7 @@ class DebugModesCheck(Check):
         self.steps = self.run.steps
         if self.steps and (self._launch_blocking or debug_modes.launch_blocking()):
             # CUDA reads the variable once, when it starts: set before the run or during it, every step ran with it
-            self._on("launch_blocking")
-            self.modes["launch_blocking"].steps = self.steps
+            self.modes.setdefault("launch_blocking", _Mode()).steps = self.steps
         for mode in self.modes:
             stack = debug_modes.turned_on(mode)
             if stack is not None:
