@@ -25,7 +25,7 @@ python=${PYTHON:-python3}
 PYTEST_OLDEST=${PYTEST_OLDEST:-7.0.0}
 PLUGGY_OLDEST=${PLUGGY_OLDEST:-1.2.0}
 mkdir -p "$dest"
-# Installed with `pip --no-compile`: the first process to import a module writes its bytecode cache.
+# Installed without byte-compiling (scripts/pip-install.sh): the first process to import a module writes its cache.
 unset PYTHONDONTWRITEBYTECODE
 
 # The plugin's files: an environment whose copy differs from the working tree is refreshed.
@@ -46,7 +46,7 @@ find_python() {  # find_python 3.9: an interpreter of exactly that version, or n
   return 1
 }
 
-pip_in() { "$1/bin/python" -m pip install -q --disable-pip-version-check --no-compile "${@:2}"; }
+pip_in() { bash "$root/scripts/pip-install.sh" "$1/bin/python" "${@:2}"; }
 
 # The plugin's wheel, built once from the working tree for every environment (they are built side by
 # side: one build folder for all of them would be a race).

@@ -8,7 +8,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 dest=${TORCHPERF_LEGACY_ENVS:-$root/.torchperf-envs}
 python=${PYTHON:-python3}
 mkdir -p "$dest"
-# Installed with `pip --no-compile`: the first process to import a module writes its bytecode cache.
+# Installed without byte-compiling (scripts/pip-install.sh): the first process to import a module writes its cache.
 unset PYTHONDONTWRITEBYTECODE
 build() {  # build VERSION: the environment of pytorch-lightning VERSION (kept if it is ready)
   local version=$1 env="$dest/pytorch-lightning-$1"
@@ -20,7 +20,7 @@ build() {  # build VERSION: the environment of pytorch-lightning VERSION (kept i
   rm -rf "$env"
   "$python" -m venv "$env"
   bash "$root/scripts/torch-layer.sh" "$env"  # torch 2.13.0 CPU from the shared layer
-  local pip=("$env/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
+  local pip=(bash "$root/scripts/pip-install.sh" "$env/bin/python")
   "${pip[@]}" torch==2.13.0 pytest
   # 1.5.x imports pkg_resources, which setuptools 81 removed; torch 2.13.0 needs setuptools>=77.0.3.
   # A pin outside that window makes pip resolve another torch (a multi-GB CUDA build): checked below.

@@ -12,8 +12,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 envs=${TORCHPERF_COMPAT_ENVS:-$root/.torchperf-envs}
 status=0
-# The environments are installed with `pip --no-compile`: the first process to import a module writes its
-# bytecode cache.
+# The environments are installed without byte-compiling (scripts/pip-install.sh): the first process to
+# import a module writes its cache.
 unset PYTHONDONTWRITEBYTECODE
 # Built (or checked) first, unless the caller has just done it (run-tests.sh: checking them again costs
 # 20 CPU-seconds of imports and a wheel build).

@@ -8,7 +8,7 @@ cd "$root"
 python=${PYTHON:-python3}
 # Where PYTHONDONTWRITEBYTECODE is set (as on many CI machines) no process writes a bytecode cache, and
 # each example session compiles the plugin again.
-unset PYTHONDONTWRITEBYTECODE  # and .venv is installed with `pip --no-compile` (scripts/run-tests.sh)
+unset PYTHONDONTWRITEBYTECODE  # and .venv is installed without byte-compiling (scripts/pip-install.sh)
 # The pytorch-lightning 1.5 environments are built in the background, beside the main one (the first to
 # need the shared torch layer builds it, scripts/torch-layer.sh; the other waits for it).
 legacy_log=$(mktemp)
@@ -18,7 +18,7 @@ legacy=$!
 [ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 # The editable install writes the plugin's metadata into the tree: one build from it at a time.
 bash scripts/tree-build.sh \
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 -e ".[lightning]"
+  bash scripts/pip-install.sh .venv/bin/python torch==2.13.0 -e ".[lightning]"
 bash scripts/check-torch.sh .venv/bin/python
 legacy_status=0
 wait "$legacy" || legacy_status=$?
@@ -42,7 +42,7 @@ done
 echo; echo "=== A third-party invariant: examples/custom_invariant, installed as a package of its own"
 acme=$(mktemp -d)
 trap 'rm -rf "$acme"' EXIT
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --target "$acme" \
+bash scripts/pip-install.sh .venv/bin/python --no-deps --no-build-isolation --target "$acme" \
   examples/custom_invariant
 export PYTHONPATH="$acme${PYTHONPATH:+:$PYTHONPATH}"
 run --expect by-name examples/custom_invariant/tests

@@ -17,8 +17,7 @@ python=${PYTHON:-python3}
 # Where PYTHONDONTWRITEBYTECODE is set (as on many CI machines) no process writes a bytecode cache, and
 # each of the few hundred the suite starts compiles the plugin (0.15-0.25 s) and its test files again.
 # With it unset, the first process that imports a module writes its cache: every environment is
-# installed with `pip --no-compile` (compiling each of the 40,000 files the environments hold, most of
-# them never imported, was about a third of each install's CPU time).
+# installed without byte-compiling (scripts/pip-install.sh).
 unset PYTHONDONTWRITEBYTECODE
 # The side environments are built in the background from the start, beside the main environment's
 # install and then the linters and the package check (a build is mostly pip on one core, waiting on the
@@ -38,7 +37,7 @@ fi
 [ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
 # The editable install writes the plugin's metadata into the tree: one build from it at a time.
 bash scripts/tree-build.sh \
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 -e ".[test]"
+  bash scripts/pip-install.sh .venv/bin/python torch==2.13.0 -e ".[test]"
 bash scripts/check-torch.sh .venv/bin/python
 status=0
 waited() {  # waited PID LOG: wait for a background build and show its output; its status

@@ -20,7 +20,7 @@ if [ ! -f "$layer/.torchperf-complete" ]; then
   echo "torch-layer: building $layer"
   rm -rf "$layer"
   mkdir -p "$layer"
-  "$env/bin/python" -m pip install -q --disable-pip-version-check --no-compile --target "$layer" torch==2.13.0
+  bash "$root/scripts/pip-install.sh" "$env/bin/python" --target "$layer" torch==2.13.0
   touch "$layer/.torchperf-complete"
 fi
 # Byte-compiled once, by importing what the suite's processes import (torch, TorchDynamo and
