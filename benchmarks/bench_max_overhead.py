@@ -196,7 +196,8 @@ def run(args: argparse.Namespace) -> None:
     warnings.simplefilter("ignore")
     for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    root = tempfile.mkdtemp(prefix="bench-max-overhead-")
+    scratch = tempfile.TemporaryDirectory(prefix="bench-max-overhead-")  # removed with it, when main() ends
+    root = scratch.name
 
     def log(text: str) -> None:
         print(text, file=sys.__stdout__, flush=True)

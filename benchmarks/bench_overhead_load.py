@@ -116,7 +116,8 @@ def main() -> int:
     warnings.simplefilter("ignore")
     for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    root = tempfile.mkdtemp(prefix="bench-overhead-load-")
+    scratch = tempfile.TemporaryDirectory(prefix="bench-overhead-load-")  # removed with it, when main() ends
+    root = scratch.name
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     n_hogs = cpus if args.hogs < 0 else args.hogs
 

@@ -175,7 +175,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    root = tempfile.mkdtemp(prefix="bench-repeatability-")
+    scratch = tempfile.TemporaryDirectory(prefix="bench-repeatability-")  # removed with it, when main() ends
+    root = scratch.name
 
     def log(text: str) -> None:
         print(text, file=sys.__stdout__, flush=True)

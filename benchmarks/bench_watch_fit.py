@@ -57,7 +57,8 @@ def build(workers: int, batches: int = 64):
     x = torch.randn(32 * batches, 64)
     data = TensorDataset(x, x.sum(1, keepdim=True))
     loader = DataLoader(data, batch_size=32, num_workers=workers, persistent_workers=workers > 0)
-    root = tempfile.mkdtemp()
+    # Removed when the last fit that names it is gone (with this closure), at the latest at exit.
+    scratch = tempfile.TemporaryDirectory(prefix="bench-watch-fit-")
 
     def fit(epochs: int = 2) -> None:
         trainer = pl.Trainer(
@@ -66,7 +67,7 @@ def build(workers: int, batches: int = 64):
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            default_root_dir=root,
+            default_root_dir=scratch.name,
         )
         trainer.fit(Regressor(), loader)
 

@@ -234,8 +234,6 @@ def test_ignite_and_accelerate_loops(pytester: pytest.Pytester) -> None:
 
 
 TRAINER = '''
-import tempfile
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -259,7 +257,8 @@ def tiny_llama():
 
 
 def arguments(**kwargs):
-    values = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=12, logging_steps=4,
+    # in the session's own directory (pytester's), not a temporary directory left behind
+    values = dict(output_dir="trainer-output", per_device_train_batch_size=4, max_steps=12, logging_steps=4,
                   save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True)
     values.update(kwargs)
     return TrainingArguments(**values)
