@@ -9,7 +9,7 @@ python=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
-[ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
+[ -x .venv/bin/python ] || { bash scripts/make-venv.sh "$python" .venv && bash scripts/torch-layer.sh .venv; }
 bash scripts/pip-install.sh .venv/bin/python build  # the CI/test path only
 # Under the lock of builds from the working tree (side environments may be built meanwhile: legacy-envs.sh).
 if ! bash "$root/scripts/tree-build.sh" \
@@ -20,7 +20,7 @@ fi
 wheel=$(ls "$work"/dist/*.whl)
 sdist=$(ls "$work"/dist/*.tar.gz)
 echo "check-package: built $(basename "$sdist") and $(basename "$wheel")"
-"$python" -m venv "$work/venv"
+bash scripts/make-venv.sh "$python" "$work/venv"
 bash "$root/scripts/torch-layer.sh" "$work/venv"  # torch 2.13.0 CPU, shared: the package is what is checked
 pip=(bash "$root/scripts/pip-install.sh" "$work/venv/bin/python")
 # torch pinned: the package asks for torch>=2.1, and only this version's CPU wheel is wanted here.

@@ -80,7 +80,7 @@ build() {
   else
     echo "compat-envs: building $env"
     rm -rf "$env"
-    "$interpreter" -m venv "$env"
+    bash "$root/scripts/make-venv.sh" "$interpreter" "$env"
     "$install" "$env"
   fi
   # Not editable, no dependencies: the environment's own pytest and torch stay as they are.

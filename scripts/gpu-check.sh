@@ -35,7 +35,7 @@ python=${PYTHON:-python3}
 venv=${TORCHPERF_GPU_VENV:-$root/.venv-gpu}
 spec=${TORCH_SPEC:-torch==2.13.0}
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+[ -x "$venv/bin/python" ] || bash "$root/scripts/make-venv.sh" "$python" "$venv"
 probe='import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'
 if ! "$venv/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
   if [ -n "${TORCH_INDEX_URL:-}" ]; then

@@ -18,7 +18,7 @@ build() {  # build VERSION: the environment of pytorch-lightning VERSION (kept i
   fi
   echo "legacy-envs: building $env"
   rm -rf "$env"
-  "$python" -m venv "$env"
+  bash "$root/scripts/make-venv.sh" "$python" "$env"
   bash "$root/scripts/torch-layer.sh" "$env"  # torch 2.13.0 CPU from the shared layer
   local pip=(bash "$root/scripts/pip-install.sh" "$env/bin/python")
   "${pip[@]}" torch==2.13.0 pytest

@@ -15,7 +15,7 @@ legacy_log=$(mktemp)
 bash scripts/legacy-envs.sh >"$legacy_log" 2>&1 &
 legacy=$!
 # A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
-[ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
+[ -x .venv/bin/python ] || { bash scripts/make-venv.sh "$python" .venv && bash scripts/torch-layer.sh .venv; }
 # The editable install writes the plugin's metadata into the tree: one build from it at a time.
 bash scripts/tree-build.sh \
   bash scripts/pip-install.sh .venv/bin/python torch==2.13.0 -e ".[lightning]"

@@ -34,7 +34,7 @@ if [ "$#" -eq 0 ] && [ "${TORCHPERF_COMPAT:-1}" != 0 ]; then
   compat=$!
 fi
 # A new .venv gets torch from the shared layer (scripts/torch-layer.sh): one copy for every environment.
-[ -x .venv/bin/python ] || { "$python" -m venv .venv && bash scripts/torch-layer.sh .venv; }
+[ -x .venv/bin/python ] || { bash scripts/make-venv.sh "$python" .venv && bash scripts/torch-layer.sh .venv; }
 # The editable install writes the plugin's metadata into the tree: one build from it at a time.
 bash scripts/tree-build.sh \
   bash scripts/pip-install.sh .venv/bin/python torch==2.13.0 -e ".[test]"
