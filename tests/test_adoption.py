@@ -147,7 +147,8 @@ def test_stale_entries_drop_on_update_and_unselected_tests_keep_theirs(pytester:
 
 
 @pytest.mark.slow
-def test_xdist_judges_and_writes_like_a_serial_run(pytester: pytest.Pytester) -> None:
+def test_xdist_judges_and_writes_like_a_serial_run_and_traces_the_failed_test(pytester: pytest.Pytester) -> None:
+    # The traces' run under xdist is the ratchet's (an xdist session is three processes that import torch).
     _suite(pytester)
     _suite(pytester, SUITE.replace("def test_", "def test_other_"), name="test_other")
     pytester.runpytest("--torchperf-baseline=serial.json", "--torchperf-baseline-update")
@@ -157,7 +158,7 @@ def test_xdist_judges_and_writes_like_a_serial_run(pytester: pytest.Pytester) ->
     parallel.assert_outcomes(passed=4, failed=2)
     assert (pytester.path / "parallel.json").read_text() == (pytester.path / "serial.json").read_text()
     _suite(pytester, SUITE.replace("def test_sync(", "def test_sync_renamed("))
-    ratchet = pytester.runpytest_subprocess("-n", "2", "--torchperf-baseline=parallel.json")
+    ratchet = pytester.runpytest_subprocess("-n", "2", "--torchperf-baseline=parallel.json", "--torchperf-trace=traces")
     ratchet.assert_outcomes(passed=3, failed=3)
     ratchet.stdout.fnmatch_lines_random(
         [
@@ -166,6 +167,13 @@ def test_xdist_judges_and_writes_like_a_serial_run(pytester: pytest.Pytester) ->
         ]
     )
     assert ratchet.stdout.str().count("- torchperf baseline -") == 1
+    # One trace, of the test failed by the new finding: none for the known one or the tests failing on
+    # their own errors.
+    traces = [f.name for f in (pytester.path / "traces").iterdir()]
+    assert len(traces) == 1 and "test_sync_renamed" in traces[0], traces
+    assert "torchperf trace: " in ratchet.stdout.str()
+    plain = pytester.runpytest("-p", "no:cacheprovider")
+    assert "torchperf trace" not in plain.stdout.str()
 
 
 def test_options_are_checked_and_the_ini_path_is_relative_to_the_ini_file(pytester: pytest.Pytester) -> None:
@@ -297,17 +305,6 @@ def test_trace_of_a_failing_test_has_its_steps_and_findings_marked(pytester: pyt
     assert len(ranges) == 1 and ranges[0]["dur"] > 0  # the one recorded call of train()
     assert [e["ph"] for e in marks if e["ph"] == "i"] == ["i"]
     assert doc["torchperf"]["test"] == "test_suite.py::test_sync"
-
-
-@pytest.mark.slow
-def test_trace_under_xdist_and_none_without_the_option(pytester: pytest.Pytester) -> None:
-    _suite(pytester)
-    result = pytester.runpytest_subprocess("-n", "2", "--torchperf-trace=traces")
-    result.assert_outcomes(passed=1, failed=2)
-    assert len(list((pytester.path / "traces").iterdir())) == 1  # the test failing on its own error has none
-    assert "torchperf trace: " in result.stdout.str()
-    plain = pytester.runpytest("-p", "no:cacheprovider")
-    assert "torchperf trace" not in plain.stdout.str()
 
 
 @pytest.mark.slow

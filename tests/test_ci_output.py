@@ -116,15 +116,6 @@ def test_a_test_failed_by_torchperf_has_its_own_letter_and_still_counts_and_read
     pytester.runpytest("--torchperf-report-only").stdout.fnmatch_lines(["test_suite.py ..F *"])
 
 
-@pytest.mark.slow
-def test_a_test_failed_by_torchperf_has_its_letter_under_xdist(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_suite=SUITE)
-    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:randomly")
-    result.assert_outcomes(passed=1, failed=2)
-    progress = [line for line in result.stdout.lines if line.endswith("[100%]")]
-    assert len(progress) == 1 and sorted(progress[0].split()[0]) == [".", "F", "T"], result.stdout.lines
-
-
 def test_the_github_job_summary_has_every_watched_test_and_links_the_worst_findings(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -162,15 +153,19 @@ def test_the_github_job_summary_has_every_watched_test_and_links_the_worst_findi
 
 
 @pytest.mark.slow
-def test_the_job_summary_is_written_once_by_the_xdist_controller(
+def test_under_xdist_the_letter_shows_and_the_controller_alone_writes_the_job_summary(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # One session for both (an xdist session is three processes that import torch).
     summary = pytester.path / "summary.md"
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     monkeypatch.delenv("GITHUB_REPOSITORY", raising=False)
     pytester.makepyfile(test_suite=SUITE)
-    pytester.runpytest_subprocess("-n", "2").assert_outcomes(passed=1, failed=2)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=2)
+    progress = [line for line in result.stdout.lines if line.endswith("[100%]")]
+    assert len(progress) == 1 and sorted(progress[0].split()[0]) == [".", "F", "T"], result.stdout.lines
     text = summary.read_text()
     assert text.count("### torchperf:") == 1
     assert f"at `test_suite.py:{SYNC_LINE}`:" in text  # no commit known: the place, without a link

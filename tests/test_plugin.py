@@ -250,7 +250,7 @@ def test_xdist_gives_the_serial_verdicts_and_one_summary(user_models: pytest.Pyt
                         pass
         """
     )
-    serial = user_models.runpytest_subprocess()
+    serial = user_models.runpytest()  # in this process: only the xdist run needs processes of its own
     serial.assert_outcomes(passed=1, failed=1)
     parallel = user_models.runpytest_subprocess("-n", "2")
     parallel.assert_outcomes(passed=1, failed=1)
