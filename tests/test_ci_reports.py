@@ -48,26 +48,52 @@ def _verdicts(doc: dict) -> dict:
     }
 
 
+#: Two parametrized tests, one failing: their verdicts and the one summary under xdist.
+MANY = """
+    import pytest
+    from torchperf_models import make_loader
+
+    @pytest.mark.parametrize("persistent", [True, False])
+    def test_loop(torchperf, persistent):
+        loader = make_loader(persistent_workers=persistent)
+        with torchperf.watch():
+            for epoch in range(2):
+                for batch in loader:
+                    pass
+"""
+
+
 @pytest.mark.slow
-def test_json_report_serial_and_under_xdist_agree(user_models: pytest.Pytester) -> None:
-    user_models.makepyfile(test_suite=SUITE)
-    serial = user_models.runpytest("--torchperf-json=serial.json")  # in this process; the xdist run needs its own
-    serial.assert_outcomes(passed=2, failed=2)
+def test_xdist_gives_the_serial_verdicts_one_summary_and_the_same_json_report(user_models: pytest.Pytester) -> None:
+    # One xdist session for all three (an xdist session is three processes that import Lightning); the
+    # serial one runs in this process.
+    user_models.makepyfile(test_suite=SUITE, test_many=MANY)
+    serial = user_models.runpytest("--torchperf-json=serial.json")
+    serial.assert_outcomes(passed=3, failed=3)
     serial.stdout.fnmatch_lines(
         [
-            "torchperf: 3 watched tests, broken invariants: no_iterator_reset in 2; 3 tests with default invariants not checked",
+            "torchperf: 5 watched tests, broken invariants: no_iterator_reset in 3; 5 tests with default invariants not checked",
             "torchperf: JSON report written to *serial.json",
         ]
     )
     parallel = user_models.runpytest_subprocess("-n", "2", "--torchperf-json=parallel.json")
-    parallel.assert_outcomes(passed=2, failed=2)
+    parallel.assert_outcomes(passed=3, failed=3)
+    assert parallel.stdout.str().count("= torchperf summary =") == 1
+    parallel.stdout.fnmatch_lines_random(
+        [
+            "PASSED  test_many.py::test_loop[[]True[]] (not checked: no_host_sync, on_device)",
+            "FAILED  test_many.py::test_loop[[]False[]]",
+            "*no_iterator_reset: failed (1 extra worker pool in 1 loader)*",
+        ]
+    )
+    parallel.stdout.fnmatch_lines(["FAILED test_many.py::test_loop[[]False[]]*"])
 
     doc = _load(user_models.path / "serial.json")
     assert doc["schema_version"] == SCHEMA_VERSION
     env = doc["environment"]
     assert env["torch"].startswith("2.") and env["pytest_torchperf"] and env["python"]
     assert env["cuda_available"] in (True, False) and env["device"]
-    assert doc["summary"] == {"tests": 3, "failed": 2, "checks_failed": {"no_iterator_reset": 2}, "checks_inconclusive": {}}
+    assert doc["summary"] == {"tests": 5, "failed": 3, "checks_failed": {"no_iterator_reset": 3}, "checks_inconclusive": {}}
     by_id = {t["nodeid"]: t for t in doc["tests"]}
     respawn = by_id["test_suite.py::test_marker_respawns"]
     assert respawn["outcome"] == "failed" and respawn["report_only"] is False
@@ -83,7 +109,6 @@ def test_json_report_serial_and_under_xdist_agree(user_models: pytest.Pytester) 
     pdoc = _load(user_models.path / "parallel.json")
     assert _verdicts(pdoc) == _verdicts(doc)
     assert pdoc["environment"]["xdist_workers"] == 2
-    assert parallel.stdout.str().count("= torchperf summary =") == 1
 
 
 @pytest.mark.slow

@@ -235,38 +235,6 @@ def test_watch_works_from_a_plain_script(tmp_path: pytest.TempPathFactory, user_
 
 
 @pytest.mark.slow
-def test_xdist_gives_the_serial_verdicts_and_one_summary(user_models: pytest.Pytester) -> None:
-    user_models.makepyfile(
-        test_many="""
-        import pytest
-        from torchperf_models import make_loader
-
-        @pytest.mark.parametrize("persistent", [True, False])
-        def test_loop(torchperf, persistent):
-            loader = make_loader(persistent_workers=persistent)
-            with torchperf.watch():
-                for epoch in range(2):
-                    for batch in loader:
-                        pass
-        """
-    )
-    serial = user_models.runpytest()  # in this process: only the xdist run needs processes of its own
-    serial.assert_outcomes(passed=1, failed=1)
-    parallel = user_models.runpytest_subprocess("-n", "2")
-    parallel.assert_outcomes(passed=1, failed=1)
-    text = parallel.stdout.str()
-    assert text.count("= torchperf summary =") == 1
-    parallel.stdout.fnmatch_lines_random(
-        [
-            "PASSED  test_many.py::test_loop[[]True[]] (not checked: no_host_sync, on_device)",
-            "FAILED  test_many.py::test_loop[[]False[]]",
-            "*no_iterator_reset: failed (1 extra worker pool in 1 loader)*",
-        ]
-    )
-    parallel.stdout.fnmatch_lines(["FAILED test_many.py::test_loop[[]False[]]*"])
-
-
-@pytest.mark.slow
 def test_lightning_imported_inside_the_test_is_observed(user_models: pytest.Pytester) -> None:
     """A Trainer imported after the watch started is patched on import, and unpatched after."""
     user_models.makepyfile(

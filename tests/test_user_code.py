@@ -2,7 +2,9 @@
 
 The project is installed for real, non-editable, into a temporary site
 directory (``pip install --no-deps --target .../site-packages``), the way tox
-or a CI job testing the built wheel would have it.
+or a CI job testing the built wheel would have it. The sessions run in this
+process: pytester restores ``sys.modules`` and ``sys.path`` after each, so every
+one imports ``mypkg`` from the site directory afresh.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def write_suite(pytester: pytest.Pytester, site: Path, dist_name: str) -> None:
 @pytest.mark.slow
 def test_the_rootdir_project_installed_in_site_packages_is_your_code(pytester: pytest.Pytester, site_dir: Path) -> None:
     write_suite(pytester, site_dir, "mypkg-dist")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
@@ -106,16 +108,16 @@ def test_the_rootdir_project_installed_in_site_packages_is_your_code(pytester: p
 @pytest.mark.slow
 def test_another_project_sees_it_as_a_library_unless_named(pytester: pytest.Pytester, site_dir: Path) -> None:
     write_suite(pytester, site_dir, "some-other-project")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*no_host_sync: passed (no sync in your code over 4 steps; 4 in mypkg (noted))*"])
 
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "--torchperf-user-packages=mypkg")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rf", "--torchperf-user-packages=mypkg")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["  counted as your code: package mypkg installed in site-packages: named by --torchperf-user-packages"])
 
     pytester.makeini("[pytest]\ntorchperf_user_packages = mypkg\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*named by torchperf_user_packages"])
 
@@ -132,7 +134,7 @@ def test_a_library_note_says_which_rule_classified_it(pytester: pytest.Pytester,
                 mypkg.train.train(run)
         """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         ["  made by mypkg, not by your code (installed in site-packages: a library (name it in "
@@ -152,7 +154,7 @@ def test_a_library_note_says_which_rule_classified_it(pytester: pytest.Pytester,
 )
 def test_options_are_validated(pytester: pytest.Pytester, site_dir: Path, option: str, message: str) -> None:
     write_suite(pytester, site_dir, "some-other-project")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", option)
+    result = pytester.runpytest("-p", "no:cacheprovider", option)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{message}*"])
 
