@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> None:
     warnings.simplefilter("ignore")
     for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    scratch = tempfile.TemporaryDirectory(prefix="bench-max-overhead-")  # removed with it, when main() ends
+    scratch = tempfile.TemporaryDirectory(prefix="bench-max-overhead-")  # removed with it, when run() returns
     root = scratch.name
 
     def log(text: str) -> None:

@@ -4,8 +4,8 @@
 # `-m venv` runs ensurepip, which byte-compiles pip's 700 modules and ignores PIP_* settings: about 5
 # CPU-seconds an environment, and the scripts build eleven. Here the environment is made without pip,
 # and the bundled wheel installed into it by PYTHON's own pip (`--python`, pip 22.3 or later), or, where
-# PYTHON has none, by pip run from the wheel itself: 1.5 or 3 CPU-seconds. The first process that imports
-# pip writes its bytecode cache (the scripts unset PYTHONDONTWRITEBYTECODE).
+# PYTHON has none, by pip run from the wheel itself: about 2 CPU-seconds in all (3 from the wheel). The
+# first process that imports pip writes its bytecode cache (the scripts unset PYTHONDONTWRITEBYTECODE).
 set -euo pipefail
 python=$1
 dir=$2
