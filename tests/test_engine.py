@@ -171,3 +171,27 @@ def test_a_poll_that_raises_makes_its_check_not_checked_and_the_steps_go_on(poll
     assert check.status == "not checked"
     assert "RuntimeError: the switch cannot be read" in check.summary
     assert run.report.checks["no_host_sync"].status == "passed"
+
+
+def test_a_stopped_run_is_not_kept_alive_by_torchperf(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each watch's run (its checks, its report) is freed once the user drops it: a session of many marked
+    tests does not pile them up. The loader-log invariants each ask the loaders probe for a log of their run."""
+    import gc
+    import weakref
+
+    from fit_helpers import fit
+
+    loader_logs = dict(no_iterator_reset=True, pin_memory=True, no_recompiles=True, max_data_wait=1.0)
+    refs = []
+    for kwargs in ({}, loader_logs):
+        with watch(**kwargs) as run:
+            fit(tmp_path, epochs=1)
+        assert run.report is not None and run.report.passed
+        refs.append(weakref.ref(run))
+        with watch(**kwargs) as run:
+            with run.step():
+                torch.ones(2).sum()
+        refs.append(weakref.ref(run))
+        del run
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * len(refs)

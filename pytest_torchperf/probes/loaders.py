@@ -104,7 +104,9 @@ class LoaderLog:
     """The DataLoaders one run iterated."""
 
     def __init__(self, run: "Run") -> None:
-        self.run = run
+        # Weak: the probe's ``logs`` maps each run to its log weakly, and a log holding its run would keep
+        # every run (its checks, its report) alive for the rest of the process.
+        self._run = weakref.ref(run)
         self.records: dict[int, LoaderRecord] = {}
         #: Some check reads what the batches say (which loaders feed training steps, the batches' device).
         self.batches = False
@@ -148,7 +150,10 @@ class LoaderLog:
         rec = self.records.get(id(loader))
         if rec is None or rec.ref() is not loader:
             rec = self.record(loader)  # an iterator started before the run began
-        steps = self.run.steps
+        run = self._run()
+        if run is None:  # pragma: no cover - a log outliving its run is not in ``active_logs()``
+            return
+        steps = run.steps
         if rec._steps_at_batch is not None and steps > rec._steps_at_batch:
             rec.feeds_steps = True
         if done:
