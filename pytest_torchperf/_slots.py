@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import sysconfig
+import weakref
 from typing import Any, Optional
 
 __all__ = ["TWIN_NAMES", "SlotGuard", "live_guards", "supported", "table_bytes"]
@@ -128,14 +129,34 @@ def _check_layout() -> str:
 
 def _subclasses(tp: type) -> list[type]:
     out: list[type] = []
+    seen: set[int] = set()
     todo: list[type] = list(type.__subclasses__(tp))
     while todo:
         sub = todo.pop()
-        if sub in out:
+        if id(sub) in seen:
             continue
+        seen.add(id(sub))
         out.append(sub)
         todo.extend(type.__subclasses__(sub))
     return out
+
+
+#: class -> ``{table: address}`` of its number, sequence and mapping tables. A heap type's tables are parts
+#: of the type object itself, so their addresses are fixed for the class's life: read once (reading a field
+#: through ctypes costs about a microsecond, and a guard of ``torch.Tensor`` reads its 20-odd subclasses).
+_ADDRESSES: "weakref.WeakKeyDictionary[type, dict[int, int]]" = weakref.WeakKeyDictionary()
+
+
+def _addresses(cls: type) -> dict[int, int]:
+    found = _ADDRESSES.get(cls)
+    if found is None:
+        found = {}
+        for which in _TABLE_SIZES:
+            address = _table(cls, which)
+            if address:
+                found[which] = address
+        _ADDRESSES[cls] = found
+    return found
 
 
 def table_bytes(tp: type) -> bytes:
@@ -211,11 +232,20 @@ class SlotGuard:
             found = self._saved.get(cls)
             own = found is not None
             saved = found if found is not None else self._saved[self.tp]
-            sequence = _table(cls, _AS_SEQUENCE)
+            sequence = _addresses(cls).get(_AS_SEQUENCE)
+            if not sequence:
+                continue
+            # The table read once, the twin slots set in the copy, written back once if any differs.
+            want = saved[_AS_SEQUENCE][1]
+            now = ctypes.string_at(sequence, len(want))
+            table = bytearray(now)
             for name in names:
                 if not own and _overrides(cls, self.tp, name):
                     continue  # created while patched and defines the name itself: its own slot
-                _copy_pointer(sequence, saved[_AS_SEQUENCE][1], TWIN_NAMES[name])
+                at = TWIN_NAMES[name] * _PTR
+                table[at:at + _PTR] = want[at:at + _PTR]
+            if table != now:
+                ctypes.memmove(sequence, bytes(table), len(table))
 
     def adopt(self, cls: type) -> None:
         """``cls`` was just created as a subclass while patched: the twin slots its base had."""
@@ -236,7 +266,7 @@ class SlotGuard:
             saved = self._saved.get(cls)
             if saved is not None:
                 for which, (address, data) in saved.items():
-                    if _table(cls, which) == address and ctypes.string_at(address, len(data)) != data:
+                    if _addresses(cls).get(which) == address and ctypes.string_at(address, len(data)) != data:
                         ctypes.memmove(address, data, len(data))
             else:  # created while patched: the twin slots its base had, unless it defines the name itself
                 self.adopt(cls)
@@ -244,12 +274,10 @@ class SlotGuard:
 
 def _tables(cls: type) -> dict[int, tuple[int, bytes]]:
     """``{table: (address, bytes)}`` of a heap type's number, sequence and mapping tables."""
-    out: dict[int, tuple[int, bytes]] = {}
-    for which, size in _TABLE_SIZES.items():
-        address = _table(cls, which)
-        if address:
-            out[which] = (address, ctypes.string_at(address, size * _PTR))
-    return out
+    return {
+        which: (address, ctypes.string_at(address, _TABLE_SIZES[which] * _PTR))
+        for which, address in _addresses(cls).items()
+    }
 
 
 def _copy_pointer(table: Optional[int], saved: bytes, index: int) -> None:

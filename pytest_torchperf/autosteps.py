@@ -29,12 +29,12 @@ when torch is imported.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import core
 from .core import FLAGS
+from .patching import wraps
 
 if TYPE_CHECKING:
     from .core import Run
@@ -223,7 +223,7 @@ def _install(patcher: "Patcher") -> None:
         patcher.callback(handle.remove, deferred=True)
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
+        @wraps(original)
         def run_backward(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True
             if armed.backward and flags.active and not is_compiling():

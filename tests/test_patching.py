@@ -93,3 +93,42 @@ def test_two_patchers_waiting_for_the_same_import_both_see_it(tmp_path: Path, mo
         first.undo()
         sys.modules.pop("torchperf_late_module", None)
     assert sorted(seen) == ["first 1", "second 1"]
+
+
+@pytest.mark.parametrize(
+    "original",
+    [
+        torch.zeros, torch.Tensor.to, vars(torch._C.TensorBase)["__getitem__"], torch.nn.Module.to,
+        torch.nn.functional.one_hot,
+    ],
+    ids=["builtin", "method-descriptor", "wrapper-descriptor", "python-function", "module-builtin"],
+)
+def test_wraps_copies_what_functools_wraps_copies(original: object) -> None:
+    """The probes' ``wraps`` (C callables' attributes read once) gives a wrapper the very attributes
+    ``functools.wraps`` would, so ``help()``, ``inspect`` and Lightning's signature reading see the same."""
+    import functools
+    import inspect
+
+    from pytest_torchperf.patching import wraps
+
+    def theirs(*args: object, **kwargs: object) -> None:
+        pass
+
+    def ours(*args: object, **kwargs: object) -> None:
+        pass
+
+    functools.wraps(original)(theirs)  # type: ignore[arg-type]
+    for _ in range(2):  # the second time from what was read the first
+        wraps(original)(ours)
+        for name in (*functools.WRAPPER_ASSIGNMENTS, "__wrapped__"):
+            assert getattr(ours, name, "<none>") == getattr(theirs, name, "<none>"), name
+        assert vars(ours) == vars(theirs)
+    try:
+        expected = str(inspect.signature(theirs))
+    except ValueError:  # a builtin without a text signature
+        expected = "<none>"
+    try:
+        got = str(inspect.signature(ours))
+    except ValueError:
+        got = "<none>"
+    assert got == expected

@@ -18,11 +18,10 @@ Not observed: ``max_overhead`` (not checked), handlers on ``ITERATION_COMPLETED`
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 from .. import core
-from ..patching import Patcher
+from ..patching import Patcher, wraps
 from . import _calls
 
 __all__ = ["NAME", "PACKAGES", "hint", "install"]
@@ -48,7 +47,7 @@ def _wrap_fire(original: Callable[..., Any], observed: _calls.Observed, events: 
     started, completed = events.ITERATION_STARTED, events.ITERATION_COMPLETED
     owner = observed.call.owner
 
-    @functools.wraps(original)
+    @wraps(original)
     def _fire_event(self: Any, event_name: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         if self is owner and event_name == completed:
@@ -62,7 +61,7 @@ def _wrap_fire(original: Callable[..., Any], observed: _calls.Observed, events: 
 
 
 def _wrap_run(original: Callable[..., Any], module: Any) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @wraps(original)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         if not core.active_runs() or _calls.in_call(self):

@@ -26,7 +26,6 @@ by torchperf itself run :func:`unobserved`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import sys
 import weakref
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 from .. import core
-from ..patching import Patcher
+from ..patching import Patcher, wraps
 
 __all__ = [
     "ObservedCall",
@@ -138,7 +137,7 @@ def _each_run(method: str) -> None:
 def _wrap_step(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A ``training_step`` that marks the step for every active run (a plain function: it binds like the original)."""
 
-    @functools.wraps(fn)
+    @wraps(fn)
     def training_step(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # a user's exception shows the user's frames, not ours
         _each_run("step_started")
@@ -156,7 +155,7 @@ def _wrap_dispatcher(fn: Callable[..., Any], role: str, bound: bool) -> Callable
     callbacks and closing it after ``on_train_batch_end`` reached the module (``role``: which dispatcher).
     ``bound``: a Trainer method (1.x), whose first argument after ``self`` is the hook's name."""
 
-    @functools.wraps(fn)
+    @wraps(fn)
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         hook = args[1] if len(args) > 1 else kwargs.get("hook_name")
@@ -256,7 +255,7 @@ class ObservedCall:
 
 
 def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @wraps(original)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # a user's exception shows the user's frames, not ours
         runs = list(core.active_runs())
@@ -271,7 +270,7 @@ def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) ->
 
 
 def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         __tracebackhide__ = True
         if core.active_runs() and not OBSERVER.unobserved:

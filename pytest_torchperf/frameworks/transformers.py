@@ -22,13 +22,12 @@ instance attribute.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import linecache
 from typing import Any, Callable
 
 from .. import core
-from ..patching import Patcher
+from ..patching import Patcher, wraps
 from . import _calls
 
 __all__ = ["NAME", "PACKAGES", "hint", "install"]
@@ -66,7 +65,7 @@ def _around(filename: str, lineno: int, lines: int = 4) -> str:
 
 
 def _wrap_step(fn: Callable[..., Any], observed: _calls.Observed) -> Callable[..., Any]:
-    @functools.wraps(fn)
+    @wraps(fn)
     def training_step(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         try:
@@ -89,7 +88,7 @@ def _attach(observed: _calls.Observed, trainer: Any) -> None:
 
 
 def _wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         if not core.active_runs() or _calls.in_call(self):

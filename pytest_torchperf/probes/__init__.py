@@ -28,6 +28,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from .. import core
+from ..patching import wraps
 
 if TYPE_CHECKING:
     from ..patching import Patcher
@@ -114,12 +115,10 @@ def accelerator_available() -> bool:
 def record_creation(probe: Probe, created: Any, wanted: Callable[[], bool]) -> Callable[[Any], Any]:
     """A ``wrap`` maker for a class's ``__init__``: while ``wanted()``, ``created[instance]`` becomes the
     stack that built it, cut at the user's innermost frame (the line worth showing)."""
-    import functools
-
     from ..stacks import capture, until_user_frame
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)  # keeps the signature (Lightning inspects DataLoader's to re-instantiate it)
+        @wraps(original)  # keeps the signature (Lightning inspects DataLoader's to re-instantiate it)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             __tracebackhide__ = True
             original(self, *args, **kwargs)

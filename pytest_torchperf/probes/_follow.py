@@ -37,10 +37,10 @@ change the class's C slots), functions imported by name before the run
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core import FLAGS
+from ..patching import wraps
 
 if TYPE_CHECKING:
     from ..patching import Patcher
@@ -174,7 +174,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
                         probe.failed(exc)  # type: ignore[attr-defined]
             return out
 
-        return functools.wraps(original)(op)
+        return wraps(original)(op)
 
     def function(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def fn(*args: Any, **kwargs: Any) -> Any:
@@ -189,7 +189,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
                     probe.failed(exc)  # type: ignore[attr-defined]
             return out
 
-        return functools.wraps(original)(fn)
+        return wraps(original)(fn)
 
     for name in method_names(tensor_type, skip_methods):
         patcher.wrap(tensor_type, name, lambda original, name=name: method(name, original))  # type: ignore[misc]

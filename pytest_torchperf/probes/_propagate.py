@@ -47,7 +47,6 @@ given data (``torch.LongTensor([1, 2]).to(dev)``) is not followed: finding it at
 from __future__ import annotations
 
 import ast
-import functools
 import linecache
 import sys
 import textwrap
@@ -56,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..core import FLAGS
 from ..frames import caller, kind_of
+from ..patching import wraps
 from ..stacks import TORCH, Frame
 from . import _follow
 from ._host import LEGACY, Birth, is_cpu_string
@@ -116,7 +116,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
                     probe.failed(exc)  # type: ignore[attr-defined]
             return out
 
-        return functools.wraps(original)(op)
+        return wraps(original)(op)
 
     def unary(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         label = _LABELS[name]
@@ -133,7 +133,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
                     probe.failed(exc)  # type: ignore[attr-defined]
             return out
 
-        return functools.wraps(original)(op)
+        return wraps(original)(op)
 
     def method(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def op(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -149,7 +149,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
                     probe.failed(exc)  # type: ignore[attr-defined]
             return out
 
-        return functools.wraps(original)(op)
+        return wraps(original)(op)
 
     def function(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         many = name in ("stack", "cat")
@@ -171,7 +171,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
                     probe.failed(exc)  # type: ignore[attr-defined]
             return out
 
-        return functools.wraps(original)(fn)
+        return wraps(original)(fn)
 
     def wrap_tensor_operations() -> None:
         for name in BINARY:

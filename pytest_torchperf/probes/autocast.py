@@ -8,11 +8,11 @@ checks of the active runs.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
+from ..patching import wraps
 from . import Probe, is_compiling_function
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ class AutocastProbe(Probe):
         probe = self
 
         def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def __enter__(self: Any) -> Any:
                 if not is_compiling() and flags.active:
                     try:

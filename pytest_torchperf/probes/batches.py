@@ -29,7 +29,6 @@ mocks the time module's ``perf_counter`` does not change what is measured.
 
 from __future__ import annotations
 
-import functools
 import mmap
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ..clocks import perf_counter as _perf_counter
 from ..core import FLAGS
 from ..frameworks import lightning
+from ..patching import wraps
 from . import Probe
 
 if TYPE_CHECKING:
@@ -283,7 +283,7 @@ class BatchesProbe(Probe):
         single = dl._SingleProcessDataLoaderIter
 
         def wrap_iter(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def __iter__(self: Any) -> Any:
                 __tracebackhide__ = True
                 if not flags.active:
@@ -309,7 +309,7 @@ class BatchesProbe(Probe):
             return __iter__
 
         def wrap_next(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def __next__(self: Any) -> Any:
                 __tracebackhide__ = True
                 if not timed:
@@ -346,7 +346,7 @@ class BatchesProbe(Probe):
             return __next__
 
         def wrap_pool_init(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
                 __tracebackhide__ = True
                 probe.pools_started += 1
@@ -355,7 +355,7 @@ class BatchesProbe(Probe):
             return __init__
 
         def wrap_fetch(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def fetch(self: Any, possibly_batched_index: Any) -> Any:
                 __tracebackhide__ = True
                 p = probe.fetching

@@ -20,13 +20,13 @@ forward; nothing per tensor op.
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
+from ..patching import wraps
 from . import Probe, is_compiling_function
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class CollectivesProbe(Probe):
 
         def wrap_collective(kind: str, position: int) -> Callable[[Any], Any]:
             def make(original: Callable[..., Any]) -> Callable[..., Any]:
-                @functools.wraps(original)
+                @wraps(original)
                 def collective(*args: Any, **kwargs: Any) -> Any:
                     __tracebackhide__ = True
                     # is_compiling() first: dynamo folds it, and its graph then guards on nothing of ours.
@@ -115,7 +115,7 @@ class CollectivesProbe(Probe):
                     patcher.wrap(module, fn_name, wrap_collective(kind, position))
 
         def wrap_sync_buffers(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def _sync_buffers(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 if not is_compiling() and flags.active:

@@ -8,11 +8,11 @@ empty_cache``) is not seen.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
+from ..patching import wraps
 from ..stacks import capture
 from . import Probe
 
@@ -35,7 +35,7 @@ class CudaCacheProbe(Probe):
         probe = self
         original = torch.cuda.memory.empty_cache
 
-        @functools.wraps(original)
+        @wraps(original)
         def empty_cache(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True
             if flags.active:

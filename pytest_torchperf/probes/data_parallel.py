@@ -14,7 +14,6 @@ through ``__getattr__``, so no other attribute read of any module changes.
 
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .. import core
 from ..core import FLAGS
 from ..frames import kind_of, stack_of
+from ..patching import wraps
 from ..stacks import TORCH, TORCHPERF, Stack
 from . import Probe, record_creation
 
@@ -52,7 +52,7 @@ class DataParallelProbe(Probe):
         dp = torch.nn.DataParallel
 
         def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 if flags.active:
@@ -65,7 +65,7 @@ class DataParallelProbe(Probe):
             return forward
 
         def wrap_getattr(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def __getattr__(self: Any, name: str) -> Any:
                 if name == "module" and flags.active:
                     try:
@@ -81,7 +81,7 @@ class DataParallelProbe(Probe):
         def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
             recorded = record(original)
 
-            @functools.wraps(original)
+            @wraps(original)
             def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
                 __tracebackhide__ = True
                 recorded(self, *args, **kwargs)

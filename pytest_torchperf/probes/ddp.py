@@ -24,12 +24,12 @@ traces), a forward that bypasses DDP (``model.module(x)``: DDP then syncs nothin
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
+from ..patching import wraps
 from ..stacks import Stack
 from . import Probe, is_compiling_function, record_creation
 
@@ -81,7 +81,7 @@ class DDPProbe(Probe):
         notify = core.notify
 
         def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 if not is_compiling() and flags.active:
@@ -91,7 +91,7 @@ class DDPProbe(Probe):
             return forward
 
         def wrap_prepare(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def prepare_for_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 if not is_compiling() and flags.active:

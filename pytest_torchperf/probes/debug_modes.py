@@ -10,10 +10,10 @@ themselves are read by the check at each step start (one C call each,
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from ..patching import wraps
 from ..stacks import Stack, capture
 from . import Probe
 
@@ -47,7 +47,7 @@ class DebugModesProbe(Probe):
 
         def recorder(mode: str, on: Callable[..., bool]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-                @functools.wraps(original)
+                @wraps(original)
                 def wrapper(*args: Any, **kwargs: Any) -> Any:
                     __tracebackhide__ = True
                     try:

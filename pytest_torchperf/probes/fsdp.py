@@ -11,11 +11,11 @@ forward and per backward.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
+from ..patching import wraps
 from . import Probe, is_compiling_function
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class FSDPProbe(Probe):
         is_compiling = is_compiling_function()
 
         def wrap_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def pre_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 if not is_compiling() and flags.active:
@@ -54,7 +54,7 @@ class FSDPProbe(Probe):
             return pre_forward
 
         def wrap_post_backward(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def post_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 if not is_compiling() and flags.active:

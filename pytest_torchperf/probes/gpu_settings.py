@@ -11,10 +11,10 @@ check (:func:`settings`). Nothing changes what the functions do.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..core import FLAGS
+from ..patching import wraps
 from ..stacks import Stack, capture
 from . import Probe, is_compiling_function
 
@@ -54,7 +54,7 @@ class GpuSettingsProbe(Probe):
         is_compiling = is_compiling_function()
 
         def conv(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def wrapper(input: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 if not is_compiling() and flags.in_scope:  # never traced into a graph
@@ -71,7 +71,7 @@ class GpuSettingsProbe(Probe):
                 patcher.wrap(F, name, conv)
 
         def precision(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def set_float32_matmul_precision(*args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 try:

@@ -15,13 +15,13 @@ Events go to the checks of every active run.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
+from ..patching import wraps
 from ..stacks import capture
 from . import Probe, is_compiling_function
 from .optimizers import parameters
@@ -81,7 +81,7 @@ class GradsProbe(Probe):
         dispatch = _subclass_dispatch(torch)
 
         def wrap_zero_grad(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 if not is_compiling() and flags.active:
@@ -100,7 +100,7 @@ class GradsProbe(Probe):
             return zero_grad
 
         def wrap_zero_(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def zero_(self: Any) -> Any:
                 if type(self) is not tensor_type and dispatch.overrides(self):
                     return dispatch.call(original, self, (), {})

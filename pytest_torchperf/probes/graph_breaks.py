@@ -14,7 +14,6 @@ dynamo has the method (None: dynamo was never imported).
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
+from ..patching import wraps
 from ..stacks import Frame, Stack, capture
 from . import ModuleProbe
 
@@ -95,7 +95,7 @@ class GraphBreaksProbe(ModuleProbe):
         probe = self
 
         def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def log_graph_break(*args: Any, **kwargs: Any) -> Any:
                 if flags.active and not probe.disabled:
                     try:

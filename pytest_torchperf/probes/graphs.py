@@ -37,13 +37,13 @@ invariant, to name the line that built what is retained.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
 from ..clocks import perf_counter
 from ..core import FLAGS
+from ..patching import wraps
 from . import Probe, is_compiling_function
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class GraphsProbe(Probe):
         self._no_subclass_code = torch._C.DisableTorchFunctionSubclass
 
         def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def run_backward(outputs: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 # is_compiling() first: a traced wrapper must not read (and guard on) torchperf's state.

@@ -24,13 +24,13 @@ comparison per active run.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
 from ..core import FLAGS
 from ..frameworks import lightning
+from ..patching import wraps
 from ..stacks import Stack, capture
 from . import Probe, record_creation
 
@@ -236,7 +236,7 @@ class LoadersProbe(Probe):
         probe = self
 
         def wrap_iter(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def __iter__(self: Any) -> Any:
                 __tracebackhide__ = True
                 try:
@@ -249,7 +249,7 @@ class LoadersProbe(Probe):
             return __iter__
 
         def wrap_iterator_init(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
                 __tracebackhide__ = True
                 original(self, loader, *args, **kwargs)
@@ -262,7 +262,7 @@ class LoadersProbe(Probe):
             return __init__
 
         def wrap_next(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def __next__(self: Any) -> Any:
                 __tracebackhide__ = True
                 if not (flags.active and probe.batching):

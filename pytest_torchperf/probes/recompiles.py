@@ -15,12 +15,12 @@ dynamo has the hooks it reads (None: dynamo was never imported).
 
 from __future__ import annotations
 
-import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
 from ..core import FLAGS
+from ..patching import wraps
 from ..stacks import capture
 from . import ModuleProbe
 
@@ -51,7 +51,7 @@ class RecompilesProbe(ModuleProbe):
             return
 
         def wrap_reasons(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def reasons(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
                 if flags.active and not kwargs.get("skip_logging"):
@@ -68,7 +68,7 @@ class RecompilesProbe(ModuleProbe):
             return reasons
 
         def wrap_limit(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def exceeds(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
                 try:
@@ -120,7 +120,7 @@ class RecompilesProbe(ModuleProbe):
         probe = self
 
         def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def clear(this: Any, *args: Any, **kwargs: Any) -> Any:
                 out = original(this, *args, **kwargs)
                 if this is handler and not probe.disabled:

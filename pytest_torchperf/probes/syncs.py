@@ -37,7 +37,6 @@ with a mask...), at their lines.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import sys
@@ -51,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from .. import core
 from ..core import FLAGS
 from ..frames import Located, locate
-from ..patching import SlotPatchUnsupported
+from ..patching import SlotPatchUnsupported, wraps
 from . import Probe
 from .tensors import PROBE as TENSORS
 from .tensors import _subclass_dispatch
@@ -325,7 +324,7 @@ class SyncsProbe(Probe):
                     return observe(op, original, self, args, kwargs, getframe(1))
                 return original(self, *args, **kwargs)
 
-            return functools.wraps(original)(wrapper)
+            return wraps(original)(wrapper)
 
         host_get = TENSORS.host.get
 
@@ -344,7 +343,7 @@ class SyncsProbe(Probe):
                     return original(self)
                 return observe(op, original, self, (), {}, getframe(1))
 
-            return functools.wraps(original)(wrapper)
+            return wraps(original)(wrapper)
 
         #: What :func:`mask_in` can find a mask in.
         maybe_mask = (tensor_type, tuple)
@@ -363,7 +362,7 @@ class SyncsProbe(Probe):
                     return observe(op, original, self, (index,), {}, getframe(1))
                 return original(self, index)
 
-            return functools.wraps(original)(__getitem__)
+            return wraps(original)(__getitem__)
 
         def setitem(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
             def __setitem__(self: Any, index: Any, value: Any) -> None:
@@ -379,7 +378,7 @@ class SyncsProbe(Probe):
                     return
                 original(self, index, value)
 
-            return functools.wraps(original)(__setitem__)
+            return wraps(original)(__setitem__)
 
         def function(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -388,7 +387,7 @@ class SyncsProbe(Probe):
                     return observe(op, original, args[0], args[1:], kwargs, getframe(1))
                 return original(*args, **kwargs)
 
-            return functools.wraps(original)(wrapper)
+            return wraps(original)(wrapper)
 
         def where(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -398,7 +397,7 @@ class SyncsProbe(Probe):
                     return observe(op, original, args[0], (), {}, getframe(1))
                 return original(*args, **kwargs)
 
-            return functools.wraps(original)(wrapper)
+            return wraps(original)(wrapper)
 
         for name, op in METHODS.items():
             if not hasattr(tensor_type, name):
@@ -439,7 +438,7 @@ class SyncsProbe(Probe):
                 finally:
                     probe.depth -= 1
 
-            return functools.wraps(original)(cpu)
+            return wraps(original)(cpu)
 
         patcher.wrap(torch.nn.Module, "cpu", module_cpu)
 
@@ -467,7 +466,7 @@ class SyncsProbe(Probe):
                         probe.depth -= 1
                 return original(*args, **kwargs)
 
-            return functools.wraps(original)(synchronize)
+            return wraps(original)(synchronize)
 
         patcher.wrap(cuda, "synchronize", synchronize_wrapper)
 

@@ -56,13 +56,13 @@ constructors whose source cannot be read.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import sys
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..core import FLAGS
+from ..patching import wraps
 from . import Probe, _inputs, _propagate, accelerator_available, is_compiling_function
 from ._host import (
     CONVERSIONS,
@@ -203,7 +203,7 @@ class TensorsProbe(HostRegistry, Probe):
                         probe.failed(exc)
                 return out
 
-            return functools.wraps(original)(make)
+            return wraps(original)(make)
 
         for name in FACTORIES:
             original = getattr(torch, name, None)
@@ -223,7 +223,7 @@ class TensorsProbe(HostRegistry, Probe):
                         probe.failed(exc)
                 return out
 
-            return functools.wraps(original)(convert)
+            return wraps(original)(convert)
 
         for name in CONVERSIONS:
             patcher.wrap(tensor_type, name, lambda original, name=name: conversion(name, original))  # type: ignore[misc]
@@ -302,7 +302,7 @@ class TensorsProbe(HostRegistry, Probe):
                         probe.failed(exc)
                 return out
 
-            return functools.wraps(original)(to)
+            return wraps(original)(to)
 
         def wrap_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
             def cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -330,7 +330,7 @@ class TensorsProbe(HostRegistry, Probe):
                     probe.failed(exc)
                 return out
 
-            return functools.wraps(original)(cuda)
+            return wraps(original)(cuda)
 
         def wrap_type_as(original: Callable[..., Any]) -> Callable[..., Any]:
             def type_as(self: Any, other: Any, *args: Any, **kwargs: Any) -> Any:
@@ -349,7 +349,7 @@ class TensorsProbe(HostRegistry, Probe):
                         probe.failed(exc)
                 return out
 
-            return functools.wraps(original)(type_as)
+            return wraps(original)(type_as)
 
         def wrap_copy_(original: Callable[..., Any]) -> Callable[..., Any]:
             def copy_(self: Any, src: Any, *args: Any, **kwargs: Any) -> Any:
@@ -368,7 +368,7 @@ class TensorsProbe(HostRegistry, Probe):
                         probe.failed(exc)
                 return original(self, src, *args, **kwargs)
 
-            return functools.wraps(original)(copy_)
+            return wraps(original)(copy_)
 
         def wrap_new_tensor(original: Callable[..., Any]) -> Callable[..., Any]:
             def new_tensor(self: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -385,7 +385,7 @@ class TensorsProbe(HostRegistry, Probe):
                         probe.failed(exc)
                 return out
 
-            return functools.wraps(original)(new_tensor)
+            return wraps(original)(new_tensor)
 
         if accelerated:
             # Batches are host tensors copied to the device by design: remember them, so the
@@ -403,7 +403,7 @@ class TensorsProbe(HostRegistry, Probe):
                             probe.failed(exc)
                     return batch
 
-                return functools.wraps(original)(__next__)
+                return wraps(original)(__next__)
 
             patcher.wrap(dataloader._BaseDataLoaderIter, "__next__", wrap_next)
 
@@ -426,7 +426,7 @@ class TensorsProbe(HostRegistry, Probe):
                         probe.failed(exc)
                 return out
 
-            return functools.wraps(original)(initialize)
+            return wraps(original)(initialize)
 
         for name in _propagate.INITIALIZERS:
             if hasattr(tensor_type, name):
@@ -445,7 +445,7 @@ class TensorsProbe(HostRegistry, Probe):
                         probe.failed(exc)
                 return out
 
-            return functools.wraps(original)(register_buffer)
+            return wraps(original)(register_buffer)
 
         patcher.wrap(torch.nn.Module, "register_buffer", wrap_register_buffer)
         patcher.wrap(tensor_type, "to", wrap_to)
@@ -480,7 +480,7 @@ class TensorsProbe(HostRegistry, Probe):
                         probe.failed(exc)
                 return out
 
-            return functools.wraps(original)(to)
+            return wraps(original)(to)
 
         def wrap_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
             def cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -492,7 +492,7 @@ class TensorsProbe(HostRegistry, Probe):
                         probe.failed(exc)
                 return original(self, *args, **kwargs)
 
-            return functools.wraps(original)(cuda)
+            return wraps(original)(cuda)
 
         patcher.wrap(torch.nn.Module, "to", wrap_to)
         patcher.wrap(torch.nn.Module, "cuda", wrap_cuda)

@@ -8,9 +8,9 @@ check. Nothing changes what the function does.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from ..patching import wraps
 from ..stacks import Stack, capture
 from . import Probe
 
@@ -41,7 +41,7 @@ class ThreadsProbe(Probe):
         probe = self
 
         def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
+            @wraps(original)
             def set_num_threads(*args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 try:

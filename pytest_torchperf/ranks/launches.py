@@ -34,7 +34,6 @@ removes the directories. Nothing is left in ``os.environ``.
 from __future__ import annotations
 
 import atexit
-import functools
 import inspect
 import os
 import re
@@ -50,6 +49,7 @@ from .. import core
 from ..clocks import monotonic, sleep
 from ..core import Run
 from ..frameworks import lightning
+from ..patching import wraps
 from . import child
 from .child import ENV, RankEntry, RankSpec, report_path
 from .merge import Part, merge
@@ -241,7 +241,7 @@ def collect(run: Run, exc: Optional[BaseException]) -> None:
 def _wrap_start_processes(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
+    @wraps(original)
     def start_processes(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         if not core.active_runs():
@@ -320,7 +320,7 @@ _TAGGED: "weakref.WeakKeyDictionary[Run, tuple[str, int]]" = weakref.WeakKeyDict
 
 
 def _wrap_script_launch(original: Callable[..., Any], launcher: str) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @wraps(original)
     def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         runs = [run for run in core.active_runs() if run.active]
@@ -358,7 +358,7 @@ def _live(children: dict[int, Any]) -> dict[int, Any]:
 
 
 def _wrap_call_children(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @wraps(original)
     def _call_children_scripts(self: Any) -> None:
         __tracebackhide__ = True
         launch = _SCRIPT.current
@@ -416,7 +416,7 @@ def _boot_args(args: tuple) -> Optional[tuple]:
 def _wrap_subprocess_handler(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
+    @wraps(original)
     def get_subprocess_handler(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         if not core.active_runs():
@@ -457,7 +457,7 @@ def _wrap_subprocess_handler(original: Callable[..., Any]) -> Callable[..., Any]
 
 
 def _wrap_init_process_group(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         result = original(*args, **kwargs)
