@@ -160,7 +160,7 @@ class Engine:
 
     # -- the pieces of a start, each undone by its own callback ---------------------------------
     def _install_base(self) -> None:
-        stacks.classify.reset()
+        stacks.classify.refresh()
         base = self.base = Patcher()
         _keep_torch_caches(base)
         relocate_warnings(base)

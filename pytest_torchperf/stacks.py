@@ -55,6 +55,8 @@ FRAMEWORK_PACKAGES: "tuple[str, ...]" = _LIGHTNING_PACKAGES + tuple(
 )
 _PYTEST_PACKAGES = ("_pytest", "pytest", "pluggy", "xdist", "execnet")
 _TORCH_PACKAGES = ("torch", "functorch")
+#: Every package the classifier places by its import location.
+_NAMED_PACKAGES = _TORCH_PACKAGES + FRAMEWORK_PACKAGES + _PYTEST_PACKAGES
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class _Classifier:
         self._user_packages: tuple[UserPackage, ...] = ()
         #: Root directory (or exact ``.py`` file) -> the user package it belongs to.
         self._user_roots: dict[str, UserPackage] = {}
+        #: What the tables were built from (see :meth:`refresh`).
+        self._built_from: Optional[tuple[object, ...]] = None
 
     # -- configuration ---------------------------------------------------------------------
     def set_user_packages(self, packages: Sequence[UserPackage]) -> tuple[UserPackage, ...]:
@@ -159,7 +163,19 @@ class _Classifier:
             out.append(real + os.sep if os.path.isdir(real) else real)
         return out
 
+    def _inputs(self) -> Optional[tuple[object, ...]]:
+        """What the tables depend on that can change in a process: the user packages, ``sys.path`` and which
+        of the packages they name are imported (which module objects). None when a user package is not
+        imported: its location is then looked up on disk, where it may appear at any time."""
+        modules = sys.modules
+        users = tuple(id(modules.get(p.name)) for p in self._user_packages)
+        if id(None) in users:
+            return None
+        named = tuple(id(modules.get(name)) for name in _NAMED_PACKAGES)
+        return (self._user_packages, tuple(sys.path), users, named)
+
     def _build(self) -> None:
+        self._built_from = self._inputs()
         roots: list[tuple[str, str]] = []
         own = os.path.dirname(os.path.realpath(__file__)) + os.sep
         roots.append((own, TORCHPERF))
@@ -276,6 +292,15 @@ class _Classifier:
         self._cache.clear()
         self._roots = None
         self._prefixes = None
+        self._built_from = None
+        _displayed.clear()
+
+    def refresh(self) -> None:
+        """:meth:`reset`, unless nothing the tables were built from has changed since (a watch starts: a
+        package imported since, a new ``sys.path`` entry, other user packages are seen; building the tables
+        costs about a millisecond of path look-ups, and every file name met is looked up again after it)."""
+        if self._built_from is None or self._built_from != self._inputs():
+            self.reset()
 
 
 def package_locations(name: str) -> list[str]:
@@ -338,6 +363,9 @@ def site_of(stack: Sequence[Frame]) -> Optional[Frame]:
 
 
 _display_roots: list[str] = []
+#: ``(file name, working directory)`` -> its display path, while the classifier's tables stand (a report
+#: shows each file many times, and every real path is a look-up of each directory on the way).
+_displayed: dict[tuple[str, str], str] = {}
 
 
 def set_display_root(path: str) -> None:
@@ -345,12 +373,23 @@ def set_display_root(path: str) -> None:
     root = os.path.realpath(path) + os.sep
     if root not in _display_roots:
         _display_roots.insert(0, root)
+        _displayed.clear()
 
 
 def display_path(filename: str) -> str:
     """A short, still unambiguous path for a report line."""
     if filename.startswith("<"):
         return filename
+    key = (filename, os.getcwd())
+    shown = _displayed.get(key)
+    if shown is None:
+        if classify._prefixes is None or len(_displayed) > 5000:
+            _displayed.clear()
+        shown = _displayed[key] = _display_path(filename)
+    return shown
+
+
+def _display_path(filename: str) -> str:
     path = os.path.realpath(filename)
     candidates = list(_display_roots) + [os.path.realpath(os.getcwd()) + os.sep]
     if classify(filename) in (USER,):

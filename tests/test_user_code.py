@@ -193,3 +193,51 @@ def test_max_sync_rate_from_the_command_line_and_the_ini_file(pytester: pytest.P
     result = pytester.runpytest("-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*ini option torchperf_max_sync_rate must be a number from 0 to 1, got 'most'*"])
+
+
+def test_the_classifier_keeps_its_tables_across_watches_until_what_they_come_from_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watch starting again rebuilds the file classification only when a package it places was imported
+    since, ``sys.path`` or the user packages changed, or a user package is not imported (its place on disk
+    may appear at any time); a file's display path follows the working directory."""
+    from pytest_torchperf import stacks, watch
+    from pytest_torchperf.stacks import USER, UserPackage
+
+    classify = stacks.classify
+
+    def tables() -> object:
+        """The tables after a watch (built on the first file classified)."""
+        with watch():
+            pass
+        classify(__file__)
+        return classify._roots
+
+    kept = tables()
+    assert tables() is kept  # nothing changed: the same tables
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert tables() is not kept  # a new sys.path entry: built again
+
+    (tmp_path / "latepkg").mkdir()
+    (tmp_path / "latepkg" / "__init__.py").write_text("")
+    previous = classify.set_user_packages([UserPackage("latepkg", "named in a test")])
+    try:
+        kept = tables()
+        assert tables() is not kept  # the user package is not imported: looked up again every watch
+        import latepkg  # noqa: F401 - imported now
+
+        kept = tables()
+        assert tables() is kept
+    finally:
+        classify.set_user_packages(previous)
+        sys.modules.pop("latepkg", None)
+
+    mine = tmp_path / "sub" / "mine.py"
+    mine.parent.mkdir()
+    mine.write_text("")
+    assert classify(str(mine)) == USER
+    monkeypatch.chdir(tmp_path)
+    assert stacks.display_path(str(mine)) == os.path.join("sub", "mine.py")
+    monkeypatch.chdir(mine.parent)
+    assert stacks.display_path(str(mine)) == "mine.py"
