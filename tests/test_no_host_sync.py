@@ -887,3 +887,81 @@ def test_cuda_paths_are_skipped_without_cuda() -> None:
         with run.step():
             pass
     assert torch.cuda.synchronize is synchronize
+
+
+def _indexing_is_routed() -> bool:
+    """Whether ``tensor[i]`` goes straight to torch's C code now (``torch.Tensor``'s mapping slot holds
+    ``TensorBase``'s function), not through a patched ``__getitem__``."""
+    import ctypes
+
+    from pytest_torchperf import _slots
+
+    def subscript(cls: type) -> Any:
+        return ctypes.c_void_p.from_address(_slots._table(cls, _slots._AS_MAPPING) + _slots._PTR).value
+
+    return bool(subscript(torch.Tensor) == subscript(torch._C.TensorBase))
+
+
+class _Samples(torch.utils.data.Dataset):  # type: ignore[misc]
+    """Eight samples; each fetch notes whether indexing was routed, and a mask in it syncs a watched step."""
+
+    def __init__(self, masked: bool = False, wait: Any = None) -> None:
+        self.x = torch.randn(8, 4)
+        self.masked, self.wait = masked, wait
+        self.routed: list[bool] = []
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        if self.wait is not None:
+            self.wait()
+        self.routed.append(_indexing_is_routed())
+        row = self.x[i]
+        return row[row > 0].sum() if self.masked else row  # a mask index: a sync in a step
+
+
+def test_a_dataloader_fetch_outside_the_steps_indexes_without_the_patch_and_a_step_gets_it_back() -> None:
+    """Fetching samples outside the steps, ``tensor[i]`` skips the mask-indexing patch (nothing to count
+    there); a fetch inside a step keeps it, so a mask in a dataset fetched in a step is still a sync; and a
+    step beginning in another thread while a fetch runs gets the patch back at once."""
+    import threading
+
+    from pytest_torchperf import _slots
+
+    tables = _slots.table_bytes(torch.Tensor)
+    outside, inside = _Samples(masked=True), _Samples(masked=True)  # built before: not host tensors of the run
+    with watch() as run:
+        for (x,) in DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4):
+            with run.step():
+                x.sum()
+        assert list(DataLoader(outside, batch_size=4)) and outside.routed == [True] * 8
+        with run.step():
+            batch = next(iter(DataLoader(inside, batch_size=4)))
+        assert batch.shape == (4,) and inside.routed == [False] * 4
+    masks = [e for e in events(run.report) if e["source"].startswith("return row[row > 0]")]
+    assert [(e["count"], e["outside_steps"]) for e in masks] == [(4, 0)], masks  # the four fetched in the step
+    assert _slots.table_bytes(torch.Tensor) == tables
+
+    stepping, stepped = threading.Event(), threading.Event()
+    first = [True]
+
+    def hold() -> None:  # the first sample waits while another thread begins a step
+        if first[0]:
+            first[0] = False
+            stepping.set()
+            assert stepped.wait(10)
+
+    held = _Samples(wait=hold)
+    with watch() as run:
+        def other_thread() -> None:
+            stepping.wait(10)
+            with run.step():
+                stepped.set()
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        list(DataLoader(held, batch_size=4))
+        thread.join(10)
+    assert held.routed[:4] == [False] * 4  # the patch back at once, for the rest of that fetch
+    assert _slots.table_bytes(torch.Tensor) == tables

@@ -132,3 +132,36 @@ def test_wraps_copies_what_functools_wraps_copies(original: object) -> None:
     except ValueError:
         got = "<none>"
     assert got == expected
+
+
+@pytest.mark.skipif(bool(_slots.supported()), reason="slot tables not supported on this interpreter")
+def test_a_routed_slot_goes_to_torch_s_own_code_for_a_while_and_the_class_ends_byte_for_byte() -> None:
+    """``SlotRoute`` points a patched ``Tensor.__getitem__``'s slot at torch's C function (what a DataLoader's
+    fetch outside the steps does): indexing skips the patch, ``__getitem__`` called by name does not; nested
+    users, a forced return (a step began), and nothing written once the patch is undone."""
+    import operator
+
+    tables = {cls: _slots.table_bytes(cls) for cls in (torch.Tensor, torch.nn.Parameter)}
+    patcher = Patcher()
+    seen: list[object] = []
+    patcher.wrap(torch.Tensor, "__getitem__", lambda original: lambda self, i: seen.append(i) or original(self, i))
+    route = _slots.SlotRoute(torch.Tensor, _slots.MP_SUBSCRIPT)
+    assert route.live
+    t = torch.arange(4.0)
+    assert operator.getitem(t, 1) == 1 and seen == [1]  # patched
+    route.unpatched()
+    route.unpatched()  # a second user (another thread's fetch)
+    assert operator.getitem(t, 2) == 2 and seen == [1]  # straight to torch's own code
+    assert t.__getitem__(3) == 3 and seen == [1, 3]  # by name: the patch
+    route.patched()
+    assert operator.getitem(t, 0) == 0 and seen == [1, 3]  # one user left: still routed
+    route.patched(leaving=False)  # a step began: the patch again, at once
+    assert operator.getitem(t, 1) == 1 and seen == [1, 3, 1]
+    route.patched()  # the last user leaves
+    assert route.users == 0 and operator.getitem(t, 2) == 2 and seen == [1, 3, 1, 2]
+    route.close()
+    patcher.undo()
+    route.unpatched()  # after the undo: writes nothing
+    route.patched()
+    assert {cls: _slots.table_bytes(cls) for cls in tables} == tables
+    assert operator.getitem(t, 3) == 3 and len(seen) == 4 and "__getitem__" not in vars(torch.Tensor)

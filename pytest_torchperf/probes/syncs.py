@@ -37,6 +37,7 @@ with a mask...), at their lines.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import core
+from .. import _slots, core
 from ..core import FLAGS
 from ..frames import Located, locate
 from ..patching import SlotPatchUnsupported, wraps
@@ -349,8 +350,13 @@ class SyncsProbe(Probe):
         maybe_mask = (tensor_type, tuple)
 
         def getitem(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
-            def __getitem__(self: Any, index: Any) -> Any:
+            # ``*rest`` (nothing: ``x[i]`` passes one index) keeps CPython from specialising ``x[i]`` into a
+            # direct call of this function, which would pass by the slot a fetch points at torch's own code
+            # (``_route_fetches``); ``x.__getitem__(i, j)`` still gets torch's own TypeError.
+            def __getitem__(self: Any, index: Any, *rest: Any) -> Any:
                 __tracebackhide__ = True
+                if rest:
+                    return original(self, index, *rest)
                 if type(self) is not tensor_type and dispatch.overrides(self):
                     return dispatch.call(original, self, (index,), {})
                 # Only a tensor (or a tuple holding one) can be a mask: an int or a slice, as a dataset's
@@ -414,6 +420,8 @@ class SyncsProbe(Probe):
                 patcher.wrap(tensor_type, name, lambda original, op=op, make=make: make(op, original))  # type: ignore[misc]
             except SlotPatchUnsupported as exc:
                 self.unavailable["mask_indexing"] = f"boolean-mask indexing is not watched here: {exc}"
+        if "mask_indexing" not in self.unavailable:
+            self._route_fetches(patcher, tensor_type)
         for name, op in FUNCTIONS.items():
             if getattr(torch, name, None) is not None:
                 make_function = where if name == "where" else function
@@ -444,6 +452,53 @@ class SyncsProbe(Probe):
 
         if cuda_available:
             self._install_cuda(patcher, torch)
+
+    def _route_fetches(self, patcher: "Patcher", tensor_type: type) -> None:
+        """While a DataLoader fetches samples outside the steps, ``tensor[i]`` goes straight to torch's C code.
+
+        A mask outside a step is not counted, so the ``__getitem__`` patch has nothing to see there, and a
+        ``TensorDataset`` indexes each of its tensors once per sample: the patch's call alone was a third of
+        what a watched tiny Lightning fit paid. The slot is pointed back (:class:`~pytest_torchperf._slots.
+        SlotRoute`) when the fetch ends, and the moment any step begins meanwhile (a step in another thread).
+        """
+        try:
+            from torch.utils.data._utils import fetch as fetch_module
+
+            route = _slots.SlotRoute(tensor_type, _slots.MP_SUBSCRIPT)
+        except Exception:  # noqa: BLE001 - the patch then sees the fetches too, as it always did
+            return
+        if not route.live:
+            return
+        patcher.callback(route.close)  # before the patch of ``__getitem__`` is undone
+        flags = FLAGS
+        listeners = FLAGS.listeners
+
+        def on_scope(in_scope: bool) -> None:
+            if in_scope:
+                route.patched(leaving=False)
+
+        def wrap_fetch(original: Callable[..., Any]) -> Callable[..., Any]:
+            def fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if flags.in_scope:
+                    return original(self, *args, **kwargs)
+                listeners.append(on_scope)
+                route.unpatched()
+                try:
+                    if flags.in_scope:  # a step began in another thread before the listener was there
+                        route.patched(leaving=False)
+                    return original(self, *args, **kwargs)
+                finally:
+                    route.patched()
+                    with contextlib.suppress(ValueError):
+                        listeners.remove(on_scope)
+
+            return wraps(original)(fetch)
+
+        for name in ("_MapDatasetFetcher", "_IterableDatasetFetcher"):
+            fetcher = getattr(fetch_module, name, None)
+            if fetcher is not None and callable(getattr(fetcher, "fetch", None)):
+                patcher.wrap(fetcher, "fetch", wrap_fetch)
 
     def _install_cuda(self, patcher: "Patcher", torch: Any) -> None:
         """On CUDA: count ``torch.cuda.synchronize()`` and listen to ``set_sync_debug_mode("warn")`` in steps."""
