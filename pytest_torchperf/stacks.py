@@ -165,13 +165,14 @@ class _Classifier:
 
     def _inputs(self) -> Optional[tuple[object, ...]]:
         """What the tables depend on that can change in a process: the user packages, ``sys.path`` and which
-        of the packages they name are imported (which module objects). None when a user package is not
-        imported: its location is then looked up on disk, where it may appear at any time."""
+        of the packages they name are imported (the module objects themselves, compared by identity). None
+        when a user package is not imported: its location is then looked up on disk, where it may appear at
+        any time."""
         modules = sys.modules
-        users = tuple(id(modules.get(p.name)) for p in self._user_packages)
-        if id(None) in users:
+        users = tuple(modules.get(p.name) for p in self._user_packages)
+        if None in users:
             return None
-        named = tuple(id(modules.get(name)) for name in _NAMED_PACKAGES)
+        named = tuple(modules.get(name) for name in _NAMED_PACKAGES)
         return (self._user_packages, tuple(sys.path), users, named)
 
     def _build(self) -> None:
