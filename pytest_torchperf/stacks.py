@@ -384,7 +384,7 @@ def display_path(filename: str) -> str:
     key = (filename, os.getcwd())
     shown = _displayed.get(key)
     if shown is None:
-        if classify._prefixes is None or len(_displayed) > 5000:
+        if len(_displayed) > 5000:  # (the classifier's reset() empties it too)
             _displayed.clear()
         shown = _displayed[key] = _display_path(filename)
     return shown

@@ -897,7 +897,9 @@ def _indexing_is_routed() -> bool:
     from pytest_torchperf import _slots
 
     def subscript(cls: type) -> Any:
-        return ctypes.c_void_p.from_address(_slots._table(cls, _slots._AS_MAPPING) + _slots._PTR).value
+        return ctypes.c_void_p.from_address(
+            _slots._table(cls, _slots._AS_MAPPING) + _slots.MP_SUBSCRIPT * _slots._PTR
+        ).value
 
     return bool(subscript(torch.Tensor) == subscript(torch._C.TensorBase))
 
