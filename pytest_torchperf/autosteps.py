@@ -133,10 +133,10 @@ def _marked_elsewhere(run: "Run", auto: AutoSteps) -> bool:
 
 def _begin(run: "Run", auto: AutoSteps) -> None:
     if auto.open:
-        auto.open = False
-        run.step_ended()
-    run.step_started()
-    auto.open = True
+        run.next_step()
+    else:
+        run.step_started()
+        auto.open = True
     auto.own = run.steps
 
 
@@ -160,11 +160,13 @@ def optimizer_step(run: "Run", auto: AutoSteps, optimizer: Any) -> None:
         return
     key = id(optimizer)
     if auto.mode == "optimizer":
-        if key in auto.stepped:
+        stepped = auto.stepped
+        if key in stepped:
             _begin(run, auto)
-            auto.stepped = {key}
+            if len(stepped) > 1:
+                auto.stepped = {key}
         else:
-            auto.stepped.add(key)
+            stepped.add(key)
         return
     if auto.mode is None:  # no backward seen (it ran before the watch, or inside a closure torch hid)
         _begin(run, auto)
@@ -209,9 +211,17 @@ def _install(patcher: "Patcher") -> None:
     current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
     is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
+    active = core.active_runs()
+
     def on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         if armed.count and flags.active:
             try:
+                if len(active) == 1:  # _armed_runs() for the one run watching (the common case), inlined
+                    run = active[0]
+                    auto = run._auto
+                    if auto is not None and not auto.disarmed_by and run._active:
+                        optimizer_step(run, auto, optimizer)
+                    return
                 for run, auto in _armed_runs():
                     optimizer_step(run, auto, optimizer)
             except Exception as exc:  # noqa: BLE001 - never into the user's optimizer step

@@ -378,6 +378,21 @@ class Run:
         if depth == 0 and self._step_events[1]:
             self._call(self._step_events[1])
 
+    def next_step(self) -> None:
+        """End the one open step and begin the next at once: an automatic step's boundary.
+
+        With no check listening to a step's start or end, the scope, which would
+        leave and come back with nothing in between, is left as it is (its
+        listeners follow a state: they would undo and redo it).
+        """
+        if self._step_depth != 1 or self._step_events[0] or self._step_events[1]:
+            self.step_ended()
+            self.step_started()
+            return
+        self.steps += 1
+        if self._polls:
+            self._poll()
+
     def batch_started(self) -> None:
         started = self._batch_depth == 0
         if started:

@@ -130,3 +130,25 @@ def test_the_autograd_profiler_left_on_fails() -> None:
 def test_allow_deterministic_is_validated() -> None:
     with pytest.raises(UsageError, match="allow_deterministic must be True or False"):
         parse_options({"allow_deterministic": "yes"})
+
+
+def test_anomaly_detection_turned_on_mid_loop_is_counted_from_the_next_automatic_step() -> None:
+    # No run.step(): the steps are found at the optimizer steps, and the poll runs where one step turns
+    # into the next (the scope never leaves between them).
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def body(run: Any) -> None:
+        for i in range(6):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+            if i == 2:
+                torch.autograd.set_detect_anomaly(True)
+
+    report = report_of(body)
+    assert report.steps == 6
+    assert report.steps_found == "found at optimizer.step()"
+    check = report["no_debug_modes"]
+    assert check.status == FAILED
+    assert check.findings[0].title == "anomaly detection was on in 3 of 6 training steps"
