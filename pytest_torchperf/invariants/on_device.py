@@ -243,18 +243,23 @@ class DevicePlacementCheck(Check):
 
     # -- events from the probe ----------------------------------------------------------
     def on_move(self, event: Move) -> None:
-        mover = locate(event.frame)
-        if mover.caller_kind == TORCH:
-            return  # torch's own code moved it (module.to() moving parameters and buffers once)
         run = self.run
         birth = event.birth
-        built_in_step = False
+        # What the tensor's birth decides comes before the mover's frames are walked: a library's state
+        # moved at every batch (Lightning's logged values) ends there.
         if birth is not None:
             if birth.caller_kind == TORCH or birth.explicit or birth.site is None or birth.with_module:
                 return  # torch's own tensors, a host buffer on purpose, or one that moves with its module
             born_in_scope = birth.in_scope_of(run)
             if not born_in_scope and birth.caller_kind != USER:
                 return  # a library's state, built before the step
+        elif not event.real_copy:
+            return
+        mover = locate(event.frame)
+        if mover.caller_kind == TORCH:
+            return  # torch's own code moved it (module.to() moving parameters and buffers once)
+        built_in_step = False
+        if birth is not None:
             if not event.first and (mover.kind != USER or reassigns(mover.frame)):
                 # Moved before, and moved in place (on a CPU-only machine, always): ``self.w = self.w.to(dev)``
                 # moves it once (later moves are no-ops on the device). Libraries do this too (torchmetrics
@@ -263,12 +268,10 @@ class DevicePlacementCheck(Check):
             # Built and moved in the same step (for scope="test": both outside steps, or in the same one).
             built_in_step = born_in_scope and event.first and birth.unit_in(run) == run.unit
             by_user = birth.caller_kind == USER
-        elif event.real_copy:
+        else:  # a real copy of a tensor of unknown birth
             if TENSORS.from_loader(event.tensor) or _is_pinned(event.tensor):
                 return
             by_user = mover.kind == USER
-        else:
-            return
         if mover.frame is None:
             return
         allowed_by = None
