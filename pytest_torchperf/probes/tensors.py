@@ -281,14 +281,16 @@ class TensorsProbe(HostRegistry, Probe):
                 ):
                     # Fast path: not a host-born tensor (a batch, a parameter), nor a view of one. It only
                     # reads, so ``is_compiling()`` (two Python calls) waits until something is to be recorded.
-                    if flags.in_scope and self._version == 0:  # maybe ``torch.Tensor(data).to(dev)``
+                    if flags.in_scope:  # maybe ``torch.Tensor(data).to(dev)``
                         frame = getframe(1)
-                        # ``_plain_move``'s answer for a line read before, inlined: every batch's move
+                        # ``_plain_move``'s answer for a line read before, inlined: every batch's move. The
+                        # line is looked up before the tensor's version is read (a property call): a batch is
+                        # a fresh tensor at every step, and its line is known from the first.
                         code = frame.f_code
                         entry = plain_get(id(code))
                         if (
                             (entry is None or entry[0] is not code or frame.f_lasti not in entry[1])
-                            and not is_compiling() and flags.active
+                            and self._version == 0 and not is_compiling() and flags.active
                         ):
                             try:
                                 probe.legacy_to(self, out, args, kwargs, frame)
