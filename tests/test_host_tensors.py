@@ -255,6 +255,23 @@ def test_legacy_constructors_are_caught_from_the_source(tmp_path: Path, line: st
     assert "is a legacy constructor: it always builds on the host" in "\n".join(check.findings[0].facts)
 
 
+def test_the_same_code_watched_again_is_read_from_what_the_first_watch_read(tmp_path: Path) -> None:
+    """The lines' source facts outlive a watch (keyed by the code objects): a second watch of the same code
+    gives the same verdicts, a legacy constructor and a plain batch move alike."""
+    module, lineno = write_module(
+        tmp_path, "legacy_again", STEP.format(line="t = torch.Tensor(4, 1).fill_(0.5).to(out.device)")
+    )
+    model = torch.nn.Linear(8, 1)
+    first = report_of(module.train, watch, model, batches(3))
+    again = report_of(module.train, watch, model, batches(3))
+    for report in (first, again):
+        assert report["on_device"].status == "failed", report["on_device"].summary
+        (event,) = user_events(report)
+        assert event["factory"] == "torch.Tensor"
+        assert event["created_at"].endswith(f"legacy_again.py:{lineno}")
+    assert first["on_device"].summary == again["on_device"].summary
+
+
 def test_a_name_spelled_like_a_legacy_constructor_is_read_as_what_it_is(tmp_path: Path) -> None:
     """The source only shows the spelling: a ``Tensor`` or ``th.FloatTensor`` that is not torch's is no legacy
     constructor (here both build on the device)."""

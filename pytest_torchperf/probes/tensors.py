@@ -107,11 +107,10 @@ class TensorsProbe(HostRegistry, Probe):
     def reset(self) -> None:
         Probe.reset(self)
         self.clear()
-        self.legacy.clear()
-        self.legacy_fills.clear()
-        self.legacy_arguments.clear()
-        self._plain.clear()
-        self.cpu_literals.clear()
+        # What a line's source shows (``legacy``, ``legacy_fills``, ``legacy_arguments``, ``_plain``,
+        # ``cpu_literals``) is kept from watch to watch: it is a fact of the code object it is keyed by (held,
+        # so its id stays its own), each cache bounded, and a statement parsed again at every watch was a
+        # large part of what a watched fit paid once.
 
     def writes_cpu(self, frame: Optional[FrameType]) -> bool:
         return frame is None or self.cpu_literals.at(frame)
