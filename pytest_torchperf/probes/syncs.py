@@ -37,7 +37,6 @@ with a mask...), at their lines.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys
@@ -490,8 +489,10 @@ class SyncsProbe(Probe):
                     return original(self, *args, **kwargs)
                 finally:
                     route.patched()
-                    with contextlib.suppress(ValueError):
+                    try:
                         listeners.remove(on_scope)
+                    except ValueError:  # pragma: no cover - already removed
+                        pass
 
             return wraps(original)(fetch)
 
