@@ -137,14 +137,24 @@ def _each_run(method: str) -> None:
 def _wrap_step(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A ``training_step`` that marks the step for every active run (a plain function: it binds like the original)."""
 
+    runs = core.active_runs()
+
     @wraps(fn)
     def training_step(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # a user's exception shows the user's frames, not ours
-        _each_run("step_started")
+        # ``_each_run`` for the one run watching (the common case), inlined: this runs every step.
+        one = runs[0] if len(runs) == 1 else None
+        if one is not None:
+            one.step_started()
+        else:
+            _each_run("step_started")
         try:
             return fn(*args, **kwargs)
         finally:
-            _each_run("step_ended")
+            if one is not None and len(runs) == 1 and runs[0] is one:
+                one.step_ended()
+            else:
+                _each_run("step_ended")
 
     training_step.__torchperf_hook__ = "training_step"  # type: ignore[attr-defined]
     return training_step
