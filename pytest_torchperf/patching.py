@@ -76,10 +76,13 @@ class _Layers:
     to what it was before any (deleted if it was inherited).
     """
 
+    __slots__ = ("owner", "name", "base", "stack")
+
     def __init__(self, owner: Any, name: str) -> None:
         self.owner = owner
         self.name = name
-        self.base = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+        own = getattr(owner, "__dict__", None)  # ``vars(owner)``, read once
+        self.base = own.get(name, _MISSING) if own is not None else _MISSING
         #: ``(token, value)``, oldest first.
         self.stack: list[tuple[object, Any]] = []
 
@@ -89,7 +92,8 @@ class _Layers:
         if self.stack:
             setattr(owner, name, self.stack[-1][1])
         elif self.base is _MISSING:
-            if hasattr(owner, "__dict__") and name in vars(owner):
+            own = getattr(owner, "__dict__", None)
+            if own is not None and name in own:
                 delattr(owner, name)
         else:
             setattr(owner, name, self.base)
@@ -107,12 +111,16 @@ class _Layers:
 _ATTRIBUTES: dict[tuple[int, str], _Layers] = {}
 
 
-def _layers(owner: Any, name: str) -> _Layers:
-    key = (id(owner), name)
-    layers = _ATTRIBUTES.get(key)
-    if layers is None or layers.owner is not owner:
-        layers = _ATTRIBUTES[key] = _Layers(owner, name)
-    return layers
+def _restore(layers: _Layers, token: object, key: tuple[int, str]) -> None:
+    """Undo one patch: take its layer out, show what is left, and forget the attribute once none is."""
+    stack = layers.stack
+    if len(stack) == 1 and stack[0][0] is token:  # the one layer (the usual case)
+        stack.clear()
+    else:
+        stack[:] = [layer for layer in stack if layer[0] is not token]
+    layers.show()
+    if not stack and _ATTRIBUTES.get(key) is layers:
+        del _ATTRIBUTES[key]
 
 
 def lift_all() -> None:
@@ -196,23 +204,20 @@ class Patcher:
         Raises :class:`SlotPatchUnsupported` (and sets nothing) for a name such as
         ``__getitem__`` on a class when this interpreter's type slots cannot be kept.
         """
-        guard = self._guard(owner, name)
-        layers = _layers(owner, name)
+        guard = self._guard(owner, name) if name.endswith("__") else None
+        # The attribute's layers (about 136 patches a watch, each set and undone)
+        key = (id(owner), name)
+        layers = _ATTRIBUTES.get(key)
+        if layers is None or layers.owner is not owner:
+            layers = _ATTRIBUTES[key] = _Layers(owner, name)
         token = object()
         layers.stack.append((token, value))
         setattr(owner, name, value)
         if guard is not None:
             guard.patched(name)
-        if guard is not None and name in _slots.TWIN_NAMES and owner not in self._adopting:
-            self._adopt_subclasses(owner, guard)
-
-        def restore() -> None:
-            layers.stack[:] = [layer for layer in layers.stack if layer[0] is not token]
-            layers.show()
-            if not layers.stack and _ATTRIBUTES.get((id(owner), name)) is layers:
-                del _ATTRIBUTES[(id(owner), name)]
-
-        self._undo.append(restore)
+            if name in _slots.TWIN_NAMES and owner not in self._adopting:
+                self._adopt_subclasses(owner, guard)
+        self._undo.append(functools.partial(_restore, layers, token, key))
 
     def _guard(self, owner: Any, name: str) -> Optional[_slots.SlotGuard]:
         """The slot guard of class ``owner`` when ``name`` is a dunder (created before its first patch)."""

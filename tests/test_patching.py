@@ -23,6 +23,22 @@ def test_two_patchers_on_one_attribute_undone_in_either_order() -> None:
     assert module.f == "original"
 
 
+def test_one_patcher_patching_an_attribute_twice_under_another_s_patch_takes_out_only_its_own_layers() -> None:
+    from pytest_torchperf import patching
+
+    module = types.SimpleNamespace(f="original")
+    first, second = Patcher(), Patcher()
+    first.setattr(module, "f", "first 1")
+    second.setattr(module, "f", "second")
+    first.setattr(module, "f", "first 2")
+    assert module.f == "first 2"
+    first.undo()  # both of its layers go, from under and over the other patcher's
+    assert module.f == "second"
+    second.undo()
+    assert module.f == "original"
+    assert not any(layers.owner is module for layers in patching._ATTRIBUTES.values())  # nothing kept
+
+
 def test_an_inherited_attribute_is_deleted_again_whatever_the_order() -> None:
     class Base:
         def hook(self) -> str:
