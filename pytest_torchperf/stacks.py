@@ -381,18 +381,19 @@ def display_path(filename: str) -> str:
     """A short, still unambiguous path for a report line."""
     if filename.startswith("<"):
         return filename
-    key = (filename, os.getcwd())
+    cwd = os.getcwd()
+    key = (filename, cwd)
     shown = _displayed.get(key)
     if shown is None:
         if len(_displayed) > 5000:  # (the classifier's reset() empties it too)
             _displayed.clear()
-        shown = _displayed[key] = _display_path(filename)
+        shown = _displayed[key] = _display_path(filename, cwd)
     return shown
 
 
-def _display_path(filename: str) -> str:
+def _display_path(filename: str, cwd: str) -> str:
     path = os.path.realpath(filename)
-    candidates = list(_display_roots) + [os.path.realpath(os.getcwd()) + os.sep]
+    candidates = list(_display_roots) + [os.path.realpath(cwd) + os.sep]
     if classify(filename) in (USER,):
         for root in candidates:
             if path.startswith(root):
