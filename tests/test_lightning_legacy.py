@@ -21,9 +21,11 @@ EXAMPLE = ROOT / "examples" / "seed_bug" / "test_seed_bug.py"
 
 
 def _python(version: str) -> Path:
-    python = ENVS / f"pytorch-lightning-{version}" / "bin" / "python"
-    if not python.exists():
-        message = f"no pytorch-lightning {version} environment at {python.parent.parent}; run scripts/legacy-envs.sh"
+    env = ENVS / f"pytorch-lightning-{version}"
+    python = env / "bin" / "python"
+    # The script marks an environment built to the end; one without the mark is half-built.
+    if not (python.exists() and (env / ".torchperf-complete").exists()):
+        message = f"no complete pytorch-lightning {version} environment at {env}; run scripts/legacy-envs.sh"
         if os.environ.get("TORCHPERF_REQUIRE_LEGACY") == "1":
             pytest.fail(message)
         pytest.skip(message)
