@@ -100,8 +100,10 @@ class TensorsProbe(HostRegistry, Probe):
         self.legacy = _propagate.LegacySites(_propagate.MOVES)
         self.legacy_fills = _propagate.LegacySites(_propagate.INITIALIZERS)
         self.legacy_arguments = _inputs.LegacyArgument()
-        #: id(code) -> (code, instruction offsets of moves whose line shows no legacy constructor).
-        self._plain: dict[int, tuple[Any, set[int]]] = {}
+        #: id(code) -> the instruction offsets of moves whose line shows no legacy constructor. The code
+        #: objects are held in ``_plain_codes`` (so an id here is never another object's), bounded together.
+        self._plain: dict[int, set[int]] = {}
+        self._plain_codes: list[Any] = []
         self.cpu_literals = _propagate.CpuLiterals()
 
     def reset(self) -> None:
@@ -141,16 +143,18 @@ class TensorsProbe(HostRegistry, Probe):
         """Whether the line moving a tensor at ``frame`` shows no legacy constructor: read once per line, then
         answered by the instruction offset (cheaper than the line number) for every batch moved there."""
         code = frame.f_code
-        entry = self._plain.get(id(code))
-        if entry is not None and entry[0] is code and frame.f_lasti in entry[1]:
+        offsets = self._plain.get(id(code))
+        if offsets is not None and frame.f_lasti in offsets:
             return True
         if self.legacy.at(frame) is not None:
             return False
-        if entry is None or entry[0] is not code:
+        if offsets is None:
             if len(self._plain) > 5000:
                 self._plain.clear()
-            entry = self._plain[id(code)] = (code, set())
-        entry[1].add(frame.f_lasti)
+                self._plain_codes.clear()
+            offsets = self._plain[id(code)] = set()
+            self._plain_codes.append(code)
+        offsets.add(frame.f_lasti)
         return True
 
     def legacy_to(self, tensor: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -260,15 +264,17 @@ class TensorsProbe(HostRegistry, Probe):
 
         def wrap_to(original: Callable[..., Any]) -> Callable[..., Any]:
             # ``target`` apart: ``x.to(device)``, the usual call, passes its one argument without a
-            # tuple and a dict built and unpacked (a third of what the wrapper costs a batch).
+            # tuple and a dict built and unpacked (a third of what the wrapper costs a batch). Only the
+            # paths that record something build the call's positional arguments: ``(target,)`` in the
+            # usual call; in any other ``target`` is put into ``args`` and set back to ``unset``.
             def to(self: Any, target: Any = unset, /, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 if target is not unset and not args and not kwargs and type(self) is tensor_type:
                     out = original(self, target)
-                    args = (target,)
                 else:
                     if target is not unset:
                         args = (target,) + args
+                        target = unset
                     if type(self) is not tensor_type and dispatch.overrides(self):
                         return dispatch.call(original, self, args, kwargs)
                     out = original(self, *args, **kwargs)
@@ -285,18 +291,21 @@ class TensorsProbe(HostRegistry, Probe):
                         # ``_plain_move``'s answer for a line read before, inlined: every batch's move. The
                         # line is looked up before the tensor's version is read (a property call): a batch is
                         # a fresh tensor at every step, and its line is known from the first.
-                        code = frame.f_code
-                        entry = plain_get(id(code))
+                        offsets = plain_get(id(frame.f_code))
                         if (
-                            (entry is None or entry[0] is not code or frame.f_lasti not in entry[1])
+                            (offsets is None or frame.f_lasti not in offsets)
                             and self._version == 0 and not is_compiling() and flags.active
                         ):
+                            if target is not unset:
+                                args = (target,)
                             try:
                                 probe.legacy_to(self, out, args, kwargs, frame)
                             except Exception as exc:  # noqa: BLE001
                                 probe.failed(exc)
                     return out
                 if not is_compiling() and flags.active:
+                    if target is not unset:
+                        args = (target,)
                     try:
                         after_to(self, out, args, kwargs, getframe(1))
                     except Exception as exc:  # noqa: BLE001
