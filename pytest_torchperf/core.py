@@ -353,13 +353,25 @@ class Run:
         return self._step_block
 
     def step_started(self) -> None:
-        if self._step_depth == 0:
+        # _refresh_scope() and _poll() inlined: this runs every step (Lightning's, automatic ones).
+        depth = self._step_depth
+        if not depth:
             self.steps += 1
-        self._step_depth += 1
-        _refresh_scope()
-        if self._step_depth == 1:
-            if self._polls:
-                self._poll()
+        self._step_depth = depth + 1
+        if not self._active:
+            _refresh_scope()
+        elif not FLAGS.in_scope:  # an active run in a step is in scope, whatever the scope option
+            if FLAGS.listeners:
+                _set_in_scope(True)
+            else:
+                FLAGS.in_scope = True
+        if not depth:
+            for read, hit, name in self._polls:
+                try:
+                    if read():
+                        hit()
+                except Exception as exc:  # noqa: BLE001 - see notify()
+                    self.check_failed(name, exc)
             if self._step_events[0]:
                 self._call(self._step_events[0])
 
@@ -374,7 +386,17 @@ class Run:
     def step_ended(self) -> None:
         depth = self._step_depth - 1
         self._step_depth = depth if depth > 0 else 0
-        _refresh_scope()
+        if len(_ACTIVE) == 1 and _ACTIVE[0] is self:
+            # _refresh_scope() for the one run watching (the common case), inlined: this runs every step.
+            scope = self._scope
+            now = self._active and (depth > 0 or scope == "test" or (scope == "batch" and self._batch_depth > 0))
+            if now is not FLAGS.in_scope:
+                if FLAGS.listeners:
+                    _set_in_scope(now)
+                else:
+                    FLAGS.in_scope = now
+        else:
+            _refresh_scope()
         if depth == 0 and self._step_events[1]:
             self._call(self._step_events[1])
 
@@ -485,9 +507,10 @@ class _Step:
         if not run._active:
             raise RuntimeError("run.step() used outside its `with torchperf.watch()` block")
         # step_started() and batch_started() inlined, one scope update: this runs every step.
-        if run._step_depth == 0:
+        depth = run._step_depth
+        if not depth:
             run.steps += 1
-        run._step_depth += 1
+        run._step_depth = depth + 1
         if run._batch_depth == 0:
             run.batches += 1
         run._batch_depth = 1
@@ -496,7 +519,7 @@ class _Step:
                 _set_in_scope(True)
             else:
                 FLAGS.in_scope = True
-        if run._step_depth == 1:
+        if not depth:
             for read, hit, name in run._polls:  # run._poll(), inlined
                 try:
                     if read():

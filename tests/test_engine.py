@@ -173,6 +173,35 @@ def test_a_poll_that_raises_makes_its_check_not_checked_and_the_steps_go_on(poll
     assert run.report.checks["no_host_sync"].status == "passed"
 
 
+def test_steps_begun_by_a_framework_put_the_runs_in_scope_and_take_them_out(polled: dict[str, bool]) -> None:
+    # ``step_started()`` / ``step_ended()`` are how Lightning's training_step and the automatic steps mark a
+    # step: the scope of the one run watching is kept inline, that of several runs recomputed over them all.
+    polled["on"] = True
+    with watch(polled=True) as outer:
+        outer.step_started()
+        assert FLAGS.in_scope
+        outer.step_started()  # nested: not a new step
+        outer.step_ended()
+        assert FLAGS.in_scope
+        outer.step_ended()
+        assert not FLAGS.in_scope
+        with watch(polled=True) as inner:
+            inner.step_started()
+            assert FLAGS.in_scope
+            inner.step_ended()
+            assert not FLAGS.in_scope
+            with outer.step():
+                inner.step_started()
+                inner.step_ended()
+                assert FLAGS.in_scope  # the outer run's step is still open
+            assert not FLAGS.in_scope
+        outer.step_ended()  # one end too many changes nothing
+        assert not FLAGS.in_scope and outer._step_depth == 0
+    assert (outer.steps, inner.steps) == (2, 2)
+    assert outer.report.checks["polled"].summary == "on in 2 steps"
+    assert inner.report.checks["polled"].summary == "on in 2 steps"
+
+
 def test_a_stopped_run_is_not_kept_alive_by_torchperf(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Each watch's run (its checks, its report) is freed once the user drops it: a session of many marked
     tests does not pile them up. The loader-log invariants each ask the loaders probe for a log of their run."""
