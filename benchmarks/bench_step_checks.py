@@ -42,6 +42,13 @@ Every step moves its batch with ``.to(device)``, as a real loop does.
 - ``I``  (with ``--invariants name,name=value``) exactly those invariants, every
   other one off, every step marked: what a new invariant costs on its own, or
   the defaults plus it (``--invariants defaults,no_graph_retention``).
+- ``F``  (with ``--floor``) unwatched, but every place the default watch hooks
+  into on these steps taken by a Python function that does nothing else:
+  ``Tensor.to``, ``torch.autograd._engine_run_backward``, a global optimizer
+  pre-hook and post-hook, and each step in a ``with`` block whose ``__enter__``
+  reads the three debug switches ``no_debug_modes`` polls. What any design of
+  Python hooks at these points pays before it checks anything: the floor under
+  ``B`` on this machine.
 
 ``--against PATH`` runs the same rounds in a second process on another checkout
 of the package (the previous release: ``git archive <commit> | tar -x -C PATH``),
@@ -49,11 +56,12 @@ the two processes' rounds interleaved, so both releases' ratios come from one
 run on one machine state. ``--clock cpu`` times each step in the thread's CPU
 time instead of wall time (a step preempted by another process then costs
 nothing extra: for a machine shared with other work). ``--smoke``: a tiny setting
-for CI.
+for CI (variant F included).
 
     python benchmarks/bench_step_checks.py [--rounds 21] [--reps 5] [--workload all]
     python benchmarks/bench_step_checks.py --invariants defaults,no_graph_retention --workload op-bound-sgd
     python benchmarks/bench_step_checks.py --against /tmp/prev --clock cpu
+    python benchmarks/bench_step_checks.py --floor --workload op-bound-sgd --clock cpu
 
 Exit status 1 when a median S/A or B/A ratio is over its budget (S only on the budget line before).
 """
@@ -225,7 +233,65 @@ def chosen_invariants(spec: str) -> dict[str, Any]:
     return {**off, **wanted}
 
 
-def variants_for(invariants: Any = None) -> Callable[..., dict[str, Callable[[], float]]]:
+class _FloorStep:
+    """Variant F's ``with`` block: a Python ``__enter__`` and ``__exit__``, and the three reads of ``no_debug_modes``."""
+
+    __slots__ = ("reads",)
+
+    def __init__(self) -> None:
+        import torch
+
+        self.reads = (torch.is_anomaly_enabled, torch._C._autograd._profiler_enabled, torch._C._get_deterministic_algorithms)
+
+    def step(self) -> "_FloorStep":
+        return self
+
+    def __enter__(self) -> "_FloorStep":
+        for read in self.reads:
+            if read():
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def floor_hooks() -> Callable[[], None]:
+    """Variant F's hooks: do-nothing Python functions where the default watch hooks in; returns their undo."""
+    import torch
+    from torch.optim import optimizer as optim
+
+    tensor = torch.Tensor
+    saved_to = vars(tensor).get("to")
+    original_to = tensor.to
+    original_backward = torch.autograd._engine_run_backward
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original_to(self, *args, **kwargs)
+
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        return original_backward(*args, **kwargs)
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        return None
+
+    tensor.to = to  # type: ignore[method-assign]
+    torch.autograd._engine_run_backward = run_backward
+    handles = [optim.register_optimizer_step_pre_hook(hook), optim.register_optimizer_step_post_hook(hook)]
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+        torch.autograd._engine_run_backward = original_backward
+        if saved_to is None:
+            del tensor.to
+        else:
+            tensor.to = saved_to  # type: ignore[method-assign]
+
+    return undo
+
+
+def variants_for(invariants: Any = None, floor: bool = False) -> Callable[..., dict[str, Callable[[], float]]]:
     from pytest_torchperf import watch
     from pytest_torchperf.options import Options
 
@@ -257,12 +323,22 @@ def variants_for(invariants: Any = None) -> Callable[..., dict[str, Callable[[],
                     return block(watched_steps(run))
 
             out["I"] = chosen
+        if floor:
+
+            def floor_variant() -> float:
+                undo = floor_hooks()
+                try:
+                    return block(watched_steps(_FloorStep()))
+                finally:
+                    undo()
+
+            out["F"] = floor_variant
         return out
 
     return variants
 
 
-RATIOS = ("S", "B", "C", "I", "A'")
+RATIOS = ("S", "B", "C", "I", "F", "A'")
 
 
 def summarise(times: dict[str, list[float]]) -> dict[str, object]:
@@ -274,10 +350,11 @@ def summarise(times: dict[str, list[float]]) -> dict[str, object]:
 
 
 def measure(
-    kind: str, rounds: int, reps: int, invariants: Any = None, clock: str = "wall", steps: int = 0
+    kind: str, rounds: int, reps: int, invariants: Any = None, clock: str = "wall", steps: int = 0,
+    floor: bool = False,
 ) -> dict[str, object]:
     step, n = build(kind)
-    times = interleaved(step, steps or n, rounds, reps, variants_for(invariants), CLOCKS[clock])
+    times = interleaved(step, steps or n, rounds, reps, variants_for(invariants, floor), CLOCKS[clock])
     return summarise(times)
 
 
@@ -291,13 +368,14 @@ def main() -> int:
         help="variant I: exactly these invariants (name or name=value, comma-separated; 'defaults' for the default ones)",
     )
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall", help="time steps in wall or thread CPU time")
+    parser.add_argument("--floor", action="store_true", help="variant F: do-nothing hooks where the watch hooks in")
     parser.add_argument("--against", metavar="PATH", help="also time another checkout of the package, interleaved")
     parser.add_argument("--steps", type=int, default=0, help="steps per timed block (default: the workload's)")
     parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
-        args.rounds, args.reps, args.steps = 2, 1, 10
+        args.rounds, args.reps, args.steps, args.floor = 2, 1, 10, True
         args.workload = "op-bound-sgd" if args.workload == "all" else args.workload
 
     import torch
@@ -311,7 +389,7 @@ def main() -> int:
         workloads = [args.workload]
     invariants = chosen_invariants(args.invariants) if args.invariants else None
     if args.worker:
-        return _worker(workloads, args.reps, invariants, args.clock, args.steps)
+        return _worker(workloads, args.reps, invariants, args.clock, args.steps, args.floor)
     print(
         f"torch {torch.__version__}, 1 thread, {args.clock} clock, {args.rounds} rounds (+1 warm-up) x {args.reps} "
         "interleaved blocks per variant"
@@ -321,7 +399,7 @@ def main() -> int:
     if args.against:
         return _against(workloads, args, invariants)
     print()
-    names = ["S", "B", "C"] + (["I"] if invariants is not None else []) + ["A'"]
+    names = ["S", "B", "C"] + (["I"] if invariants is not None else []) + (["F"] if args.floor else []) + ["A'"]
     header = f"{'workload':<18} {'A us':>8} " + " ".join(f"{n + ' us':>8}" for n in names[:-1]) + " " + " ".join(
         f"{n + '/A median [IQR]':>22}" for n in names
     ) + f" {'budget':>12}"
@@ -329,7 +407,7 @@ def main() -> int:
     print("-" * len(header))
     status = 0
     for kind in workloads:
-        result = measure(kind, args.rounds, args.reps, invariants, args.clock, args.steps)
+        result = measure(kind, args.rounds, args.reps, invariants, args.clock, args.steps, args.floor)
         us, ratios = result["median_us"], result["ratios"]
         status |= _line(kind, us, ratios, names)  # type: ignore[arg-type]
     return 0 if args.smoke else status  # a smoke run says it runs; its few steps cannot judge a budget
@@ -351,7 +429,7 @@ def _line(kind: str, us: dict[str, float], ratios: dict[str, Any], names: list[s
     return 0 if ok else 1
 
 
-def _worker(workloads: list[str], reps: int, invariants: Any, clock: str, steps: int) -> int:
+def _worker(workloads: list[str], reps: int, invariants: Any, clock: str, steps: int, floor: bool) -> int:
     """One process of ``--against``: one round of every workload per request (see ``_against.py``)."""
     import sys
 
@@ -363,7 +441,7 @@ def _worker(workloads: list[str], reps: int, invariants: Any, clock: str, steps:
     runners = {}
     for kind in workloads:
         step, n = build(kind)
-        runners[kind] = round_runner(step, steps or n, reps, variants_for(invariants), CLOCKS[clock])
+        runners[kind] = round_runner(step, steps or n, reps, variants_for(invariants, floor), CLOCKS[clock])
     counter = [0]
 
     def one_round() -> dict[str, Any]:
@@ -384,6 +462,8 @@ def _against(workloads: list[str], args: argparse.Namespace, invariants: Any) ->
     forwarded += ["--steps", str(args.steps)]
     if args.invariants:
         forwarded += ["--invariants", args.invariants]
+    if args.floor:
+        forwarded.append("--floor")
     workers = Workers(os.path.abspath(sys.argv[0]), forwarded, {"this": None, "other": args.against})
     times: dict[str, dict[str, dict[str, list[float]]]] = {}
     try:
@@ -398,7 +478,7 @@ def _against(workloads: list[str], args: argparse.Namespace, invariants: Any) ->
         workers.close()
     print(f"this: the checkout the script is in; other: {args.against}; the two processes' rounds interleaved")
     print()
-    names = ["S", "B", "C"] + (["I"] if invariants is not None else []) + ["A'"]
+    names = ["S", "B", "C"] + (["I"] if invariants is not None else []) + (["F"] if args.floor else []) + ["A'"]
     status = 0
     for kind in workloads:
         for label in ("this", "other"):
