@@ -387,7 +387,8 @@ class Run:
         depth = self._step_depth - 1
         self._step_depth = depth if depth > 0 else 0
         if len(_ACTIVE) == 1 and _ACTIVE[0] is self:
-            # _refresh_scope() for the one run watching (the common case), inlined: this runs every step.
+            # _refresh_scope() for the one run watching (the common case), inlined: this runs every step
+            # (so does its twin in _Step.__exit__, which a marked step runs instead: a call less a step).
             scope = self._scope
             now = self._active and (depth > 0 or scope == "test" or (scope == "batch" and self._batch_depth > 0))
             if now is not FLAGS.in_scope:
