@@ -20,16 +20,22 @@ marked by anyone else (``run.step()``, Lightning's ``training_step``, another
 framework's step) disarms the run for good: marked steps win.
 
 The probes here are two: a global optimizer step post-hook and a wrapper of
-torch's backward entry point (``torch.autograd._engine_run_backward``). Both
-return after two attribute loads while no run is armed (a run that marks its
-steps disarms itself at its first one); the backward wrapper does so too once
-every armed run's steps are found at optimizer steps. The hooks are installed
-when torch is imported.
+torch's backward entry point (``torch.autograd._engine_run_backward``). The
+wrapper is installed when torch is imported and returns after two attribute
+loads while no run is armed (a run that marks its steps disarms itself at its
+first one), and once every armed run's steps are found at optimizer steps. The
+post-hook is registered only while a run is armed: the last run to be disarmed
+removes it, unless that happens while torch is calling the post-hooks (from one
+of them: removing it then would change the dict torch iterates), when it stays
+until the watch ends. So a loop with marked steps (Lightning's, ``run.step()``)
+pays for no post-hook call.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import core
@@ -51,12 +57,18 @@ _MARKED = "marked steps"
 class _Armed:
     """How many runs are armed now (read on the hot paths: one attribute load; see ``core._Flags``)."""
 
-    __slots__ = ("count", "backward")
+    __slots__ = ("count", "backward", "hook", "handle", "optimizer_file")
 
     def __init__(self) -> None:
         self.count = 0
         #: How many of them still look at backward passes (not yet in optimizer mode).
         self.backward = 0
+        #: Registers the optimizer post-hook and returns its handle (None before torch is hooked).
+        self.hook: Optional[Callable[[], Any]] = None
+        #: The post-hook's handle while it is registered.
+        self.handle: Any = None
+        #: ``torch/optim/optimizer.py``: its frames tell whether torch is calling the post-hooks now.
+        self.optimizer_file = ""
 
 
 ARMED = _Armed()
@@ -89,6 +101,26 @@ def arm(run: "Run") -> None:
     run._auto = AutoSteps()
     ARMED.count += 1
     ARMED.backward += 1
+    if ARMED.handle is None and ARMED.hook is not None:
+        ARMED.handle = ARMED.hook()
+
+
+def _unhook(armed: "_Armed") -> None:
+    """Remove the post-hook once no run is armed, unless torch is calling the post-hooks now."""
+    if armed.count or armed.handle is None:
+        return
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        # Torch's step wrapper has ``out`` once the step returned: it is calling the post-hooks, or returning.
+        code = frame.f_code
+        if (
+            code.co_filename == armed.optimizer_file
+            or (code.co_name == "wrapper" and code.co_filename.endswith("optimizer.py"))
+        ) and "out" in frame.f_locals:
+            return
+        frame = frame.f_back
+    handle, armed.handle = armed.handle, None
+    handle.remove()
 
 
 def found(run: "Run") -> str:
@@ -106,6 +138,7 @@ def _disarm(run: "Run", auto: AutoSteps, why: str) -> None:
     ARMED.count -= 1
     if auto.mode != "optimizer":
         ARMED.backward -= 1
+    _unhook(ARMED)
     if auto.open:
         auto.open = False
         run.step_ended()
@@ -120,6 +153,7 @@ def close(run: "Run") -> None:
     ARMED.count -= 1
     if auto.mode != "optimizer":
         ARMED.backward -= 1
+    _unhook(ARMED)
     if auto.open:
         auto.open = False
         run.step_ended()
@@ -197,6 +231,9 @@ def install(patcher: "Patcher") -> None:
 def _reset() -> None:
     ARMED.count = 0
     ARMED.backward = 0
+    handle, ARMED.handle, ARMED.hook = ARMED.handle, None, None
+    if handle is not None:
+        handle.remove()
 
 
 def _install(patcher: "Patcher") -> None:
@@ -228,9 +265,9 @@ def _install(patcher: "Patcher") -> None:
                 core.probe_failed("autosteps", exc)
 
     register = getattr(optimizer_module, "register_optimizer_step_post_hook", None)
-    if register is not None:
-        handle = register(on_optimizer_step)
-        patcher.callback(handle.remove, deferred=True)
+    if register is not None:  # registered by arm(), removed by _unhook() and _reset()
+        armed.hook = lambda: register(on_optimizer_step)
+        armed.optimizer_file = getattr(optimizer_module, "__file__", "") or ""
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(original)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,68 @@ def test_the_hooks_are_gone_after_the_watch(tmp_path: Path) -> None:
     report_of(module.train, watch, batches(2))  # type: ignore[attr-defined]
     assert autosteps.ARMED.count == 0 and autosteps.ARMED.backward == 0
     assert not getattr(torch.autograd._engine_run_backward, "__wrapped__", None)
+
+
+def _post_hooks() -> list[str]:
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    return [getattr(hook, "__qualname__", "") for hook in _global_optimizer_post_hooks.values()]
+
+
+def _ours(names: list[str]) -> int:
+    return sum("on_optimizer_step" in name for name in names)
+
+
+def test_the_optimizer_post_hook_is_registered_only_while_a_run_is_armed() -> None:
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+
+    def train(run: object, mark: bool) -> None:
+        for x, y in batches(3):
+            with run.step() if mark else contextlib.nullcontext():  # type: ignore[attr-defined]
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            seen.append(_ours(_post_hooks()))
+
+    with watch() as run:
+        assert _ours(_post_hooks()) == 1
+        train(run, mark=False)
+    assert run.report.steps == 3 and seen == [1, 1, 1]
+    assert _ours(_post_hooks()) == 0
+    seen.clear()
+    with watch() as run:
+        assert _ours(_post_hooks()) == 1  # armed again
+        train(run, mark=True)  # the first marked step's backward pass disarms the run
+    assert run.report.steps == 3 and seen == [0, 0, 0]
+    assert _ours(_post_hooks()) == 0
+
+
+def test_a_run_disarmed_while_torch_calls_the_post_hooks_keeps_the_hook_until_the_watch_ends() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    calls = []
+    with watch() as run:
+        # Registered after torchperf's: torch's loop over the post-hooks goes on after torchperf's hook,
+        # where a removal would make the loop raise (OrderedDict mutated during iteration).
+        handle = register_optimizer_step_post_hook(lambda *args: calls.append(1))
+        try:
+            for i, (x, y) in enumerate(batches(4)):
+                marked = run.step() if i >= 2 else contextlib.nullcontext()
+                with marked:  # steps 3 and 4 marked: the run, in optimizer mode, is disarmed in the post-hook
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+            assert _ours(_post_hooks()) == 1
+        finally:
+            handle.remove()
+    assert calls == [1, 1, 1, 1]
+    assert run.report.steps == 3  # two found, the second lasting into the first marked one: as before
+    assert run._auto.disarmed_by == "marked steps"  # type: ignore[attr-defined]
+    assert _ours(_post_hooks()) == 0
 
 
 @pytest.mark.parametrize("mode", ["warn", "fail", "pass"])
