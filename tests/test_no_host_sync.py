@@ -390,7 +390,10 @@ def test_an_optimizer_state_built_before_the_watch_is_a_host_tensor(tmp_path: Pa
     x, y = data[0]
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()  # the state exists before the watch
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
     with watch(scope="batch") as run:
+        assert not _global_optimizer_pre_hooks  # found when a read is in question: no call every step
         for x, y in data:
             with run.step():
                 opt.zero_grad()
@@ -399,6 +402,7 @@ def test_an_optimizer_state_built_before_the_watch_is_a_host_tensor(tmp_path: Pa
     check = run.report["no_host_sync"]
     assert check.status == "passed"
     assert check.figures["host_tensor_reads"] == 3 * 2  # one .item() per parameter per step
+    assert check.figures["syncs"] == 0
 
 
 def test_torch_compile_sees_through_the_wrappers() -> None:

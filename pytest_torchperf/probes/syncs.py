@@ -270,6 +270,8 @@ class SyncsProbe(Probe):
             if probe.depth or threading.get_ident() != probe.thread or os.getpid() != probe.pid:
                 return None
             device = verdict(op.name, this, args, kwargs)
+            if device == WOULD and TENSORS.optimizer_counters(frame):  # a state built before the run
+                device = verdict(op.name, this, args, kwargs)
             if device is None:
                 return None
             if device == HOST:

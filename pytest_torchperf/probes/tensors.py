@@ -40,8 +40,8 @@ While installed, the probe (its registry is :mod:`._host`):
 - on a machine with an accelerator, remembers the tensors DataLoaders yield
   (and their conversions), so a real host-to-device copy of anything else can
   be told from a batch;
-- marks an optimizer's ``step`` counters as host tensors when it steps (torch
-  keeps them on the host on purpose unless ``capturable``/``fused``).
+- marks an optimizer's ``step`` counters as host tensors when a step reads one
+  (torch keeps them on the host on purpose unless ``capturable``/``fused``).
 
 A tensor subclass with its own ``__torch_function__`` is handed to torch as if
 nothing watched (the subclass sees torch's own method as ``func``), and is not
@@ -56,7 +56,7 @@ constructors whose source cannot be read.
 
 from __future__ import annotations
 
-import importlib
+import os
 import sys
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -105,6 +105,12 @@ class TensorsProbe(HostRegistry, Probe):
         self._plain: dict[int, set[int]] = {}
         self._plain_codes: list[Any] = []
         self.cpu_literals = _propagate.CpuLiterals()
+        #: ``torch.optim.Optimizer`` and ``torch.Tensor`` once installed; the folder of torch's optimizers.
+        self._optimizer_type: Any = None
+        self._tensor_type: Any = None
+        self._optimizer_dir = ""
+        #: id(optimizer) -> (id, length) of its state at its last scan (:meth:`optimizer_counters`).
+        self._scanned: dict[int, tuple[int, int]] = {}
 
     def reset(self) -> None:
         Probe.reset(self)
@@ -465,7 +471,7 @@ class TensorsProbe(HostRegistry, Probe):
         patcher.wrap(tensor_type, "new_tensor", wrap_new_tensor)
         self._install_module_moves(patcher, torch)
         _propagate.install(self, patcher, torch, dispatch)
-        self._install_optimizer_hook(patcher, torch)
+        self._install_optimizer_scan(patcher, torch)
 
     def _install_module_moves(self, patcher: "Patcher", torch: Any) -> None:
         """Remember the modules moved to a device target (``.to(dev)``, ``.cuda()``), with their submodules."""
@@ -507,45 +513,51 @@ class TensorsProbe(HostRegistry, Probe):
         patcher.wrap(torch.nn.Module, "to", wrap_to)
         patcher.wrap(torch.nn.Module, "cuda", wrap_cuda)
 
-    def _install_optimizer_hook(self, patcher: "Patcher", torch: Any) -> None:
+    def _install_optimizer_scan(self, patcher: "Patcher", torch: Any) -> None:
         """Optimizers keep their ``step`` counters on the host on purpose unless capturable or fused
-        ("special device hosting for step"); a state loaded before the run was not seen being born,
-        so mark it when the optimizer steps."""
-        try:
-            optimizer_module = importlib.import_module("torch.optim.optimizer")
-        except ImportError:  # pragma: no cover
+        ("special device hosting for step"); a state built before the run was not seen being born. The
+        first time a step reads a CPU tensor nobody is known to have put on the host from inside an
+        optimizer's step, that optimizer's counters are marked (:meth:`optimizer_counters`): a scan
+        when a read is in question, where a hook on every optimizer step cost each step a call."""
+        optimizer_type = getattr(getattr(torch, "optim", None), "Optimizer", None)
+        module = sys.modules.get(getattr(optimizer_type, "__module__", ""))
+        if optimizer_type is None or module is None:  # pragma: no cover
             return
-        register = getattr(optimizer_module, "register_optimizer_step_pre_hook", None)
-        if register is None:  # pragma: no cover - torch < 2.0
-            return
-        scanned: dict[int, tuple[int, int]] = {}
-        tensor_type = torch.Tensor
-        flags = FLAGS
-        probe = self
+        self._optimizer_type, self._tensor_type = optimizer_type, torch.Tensor
+        self._optimizer_dir = os.path.dirname(getattr(module, "__file__", "") or "") + os.sep
+        patcher.callback(self._scanned.clear, deferred=True)
 
-        def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if not flags.in_scope or probe.disabled:
-                return
-            try:
-                state = optimizer.state
-                seen = (id(state), len(state))
-                if scanned.get(id(optimizer)) == seen:
-                    return  # nothing new since the last scan
-                scanned[id(optimizer)] = seen
-                for group in optimizer.param_groups:
-                    if group.get("capturable") or group.get("fused"):
-                        continue
-                    for param in group["params"]:
-                        param_state = state.get(param)
-                        step = param_state.get("step") if param_state else None
-                        if isinstance(step, tensor_type) and step.device.type == "cpu" and probe.own_birth(step) is None:
-                            probe.mark_host(step)
-            except Exception as exc:  # noqa: BLE001
-                probe.failed(exc)
+    def optimizer_counters(self, frame: Optional[FrameType]) -> bool:
+        """Whether an optimizer stepping on the stack above ``frame`` had host ``step`` counters marked now."""
+        optimizer_type, folder = self._optimizer_type, self._optimizer_dir
+        if optimizer_type is None or self.disabled:
+            return False
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(folder):
+                optimizer = frame.f_locals.get("self")
+                if isinstance(optimizer, optimizer_type):
+                    return self._scan(optimizer)
+            frame = frame.f_back
+        return False
 
-        handle = register(optimizer_pre_hook)
-        patcher.callback(handle.remove, deferred=True)
-        patcher.callback(scanned.clear, deferred=True)
+    def _scan(self, optimizer: Any) -> bool:
+        state = optimizer.state
+        seen = (id(state), len(state))
+        if self._scanned.get(id(optimizer)) == seen:
+            return False  # nothing new since the last scan
+        self._scanned[id(optimizer)] = seen
+        marked = False
+        tensor_type = self._tensor_type
+        for group in optimizer.param_groups:
+            if group.get("capturable") or group.get("fused"):
+                continue
+            for param in group["params"]:
+                param_state = state.get(param)
+                step = param_state.get("step") if param_state else None
+                if isinstance(step, tensor_type) and step.device.type == "cpu" and self.own_birth(step) is None:
+                    self.mark_host(step)
+                    marked = True
+        return marked
 
 
 PROBE = TensorsProbe()
