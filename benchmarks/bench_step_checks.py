@@ -44,11 +44,12 @@ Every step moves its batch with ``.to(device)``, as a real loop does.
   the defaults plus it (``--invariants defaults,no_graph_retention``).
 - ``F``  (with ``--floor``) unwatched, but every place the default watch hooks
   into on these steps taken by a Python function that does nothing else:
-  ``Tensor.to``, ``torch.autograd._engine_run_backward``, a global optimizer
-  pre-hook and post-hook, and each step in a ``with`` block whose ``__enter__``
-  reads the three debug switches ``no_debug_modes`` polls. What any design of
-  Python hooks at these points pays before it checks anything: the floor under
-  ``B`` on this machine.
+  ``Tensor.to``, ``torch.autograd._engine_run_backward``, and each step in a
+  ``with`` block whose ``__enter__`` reads the three debug switches
+  ``no_debug_modes`` polls. What any design of Python hooks at these points pays
+  before it checks anything: the floor under ``B`` on this machine. (Until the
+  watch stopped calling optimizer hooks on a marked step, ``F`` had a global
+  optimizer pre-hook and post-hook too.)
 
 ``--against PATH`` runs the same rounds in a second process on another checkout
 of the package (the previous release: ``git archive <commit> | tar -x -C PATH``),
@@ -259,7 +260,6 @@ class _FloorStep:
 def floor_hooks() -> Callable[[], None]:
     """Variant F's hooks: do-nothing Python functions where the default watch hooks in; returns their undo."""
     import torch
-    from torch.optim import optimizer as optim
 
     tensor = torch.Tensor
     saved_to = vars(tensor).get("to")
@@ -272,16 +272,10 @@ def floor_hooks() -> Callable[[], None]:
     def run_backward(*args: Any, **kwargs: Any) -> Any:
         return original_backward(*args, **kwargs)
 
-    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        return None
-
     tensor.to = to  # type: ignore[method-assign]
     torch.autograd._engine_run_backward = run_backward
-    handles = [optim.register_optimizer_step_pre_hook(hook), optim.register_optimizer_step_post_hook(hook)]
 
     def undo() -> None:
-        for handle in handles:
-            handle.remove()
         torch.autograd._engine_run_backward = original_backward
         if saved_to is None:
             del tensor.to
