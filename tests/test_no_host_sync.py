@@ -405,6 +405,41 @@ def test_an_optimizer_state_built_before_the_watch_is_a_host_tensor(tmp_path: Pa
     assert check.figures["syncs"] == 0
 
 
+def test_an_optimizer_of_your_own_with_its_state_built_before_the_watch_reads_host_counters() -> None:
+    """The counters of any ``torch.optim.Optimizer`` subclass are host tensors, as torch's own are."""
+
+    class Counted(torch.optim.Optimizer):
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {"lr": 0.01})
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state[p]
+                    if "step" not in state:
+                        state["step"] = torch.tensor(0.0)
+                    state["step"] += 1
+                    p.add_(p.grad, alpha=-group["lr"] / state["step"].item())
+
+    model = torch.nn.Linear(8, 1)
+    opt = Counted(model.parameters())
+    data = batches(3)
+    x, y = data[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()  # the state exists before the watch
+    with watch(scope="batch") as run:
+        for x, y in data:
+            with run.step():
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    check = run.report["no_host_sync"]
+    assert check.status == "passed", check.summary
+    assert check.figures["host_tensor_reads"] == 3 * 2
+    assert check.figures["syncs"] == 0
+
+
 def test_torch_compile_sees_through_the_wrappers() -> None:
     """A compiled function compiles to the same graphs inside and outside steps: no recompile, no graph break."""
     torch_dynamo = pytest.importorskip("torch._dynamo")

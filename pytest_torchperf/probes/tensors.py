@@ -532,12 +532,17 @@ class TensorsProbe(HostRegistry, Probe):
         optimizer_type, folder = self._optimizer_type, self._optimizer_dir
         if optimizer_type is None or self.disabled:
             return False
-        while frame is not None:
-            if frame.f_code.co_filename.startswith(folder):
-                optimizer = frame.f_locals.get("self")
-                if isinstance(optimizer, optimizer_type):
-                    return self._scan(optimizer)
-            frame = frame.f_back
+        try:
+            # Only frames of torch's optimizers are read for their ``self`` (their locals' snapshot ends with
+            # the step); the step wrapper every optimizer's ``step`` runs in is one of them, for any subclass.
+            while frame is not None:
+                if frame.f_code.co_filename.startswith(folder):
+                    optimizer = frame.f_locals.get("self")
+                    if isinstance(optimizer, optimizer_type):
+                        return self._scan(optimizer)
+                frame = frame.f_back
+        except Exception as exc:  # noqa: BLE001 - an optimizer's own state may be anything
+            self.failed(exc)
         return False
 
     def _scan(self, optimizer: Any) -> bool:
