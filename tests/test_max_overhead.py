@@ -573,6 +573,75 @@ def test_check_times_copies_and_leaves_the_users_objects_alone(tmp_path: Any, mo
     assert model.optimizer.steps == 4  # accumulate_grad_batches=2 in the user's own fit
 
 
+class Recorded(Tiny):
+    """Every ``training_step`` and ``on_train_batch_start`` of the module and of the replay's copies (class-level lists)."""
+
+    steps: list[tuple[str, int, int]] = []
+    starts: list[tuple[int, bool]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        # Lightning's copy has a trainer; the vanilla loop's runs training_step without one (pytorch-lightning
+        # 1.x keeps it as ``trainer``).
+        lightning = vars(self).get("_trainer", vars(self).get("trainer")) is not None
+        type(self).steps.append(("L" if lightning else "V", self.current_epoch if lightning else -1, batch_idx))
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        type(self).starts.append((self.current_epoch, "pytest_torchperf" in sys._getframe(1).f_code.co_filename))
+
+
+def _replayed_epochs(steps: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
+    """(side, batches) of each epoch of the replay, in order (a vanilla epoch begins at batch 0)."""
+    epochs: list[tuple[str, int]] = []
+    key = None
+    for side, epoch, batch_idx in steps:
+        if (side, epoch) != key or batch_idx == 0:
+            epochs.append((side, 0))
+            key = (side, epoch)
+        epochs[-1] = (side, epochs[-1][1] + 1)
+    return epochs
+
+
+@pytest.mark.parametrize("accumulate, warmup", [(1, 8), (3, 9)])
+def test_the_replays_warm_up_epoch_ends_after_a_few_batches_and_the_rounds_are_whole_epochs(
+    tmp_path: Any, accumulate: int, warmup: int
+) -> None:
+    Recorded.steps.clear()
+    Recorded.starts.clear()
+    with watch(max_overhead="10000%", **ONLY_OVERHEAD) as run:
+        tiny_trainer(tmp_path, accumulate_grad_batches=accumulate).fit(Recorded(), tiny_loader(n=8 * 21))
+        assert len(Recorded.steps) == 42  # the user's own fit: 2 whole epochs of 21 batches
+        Recorded.steps.clear()
+        Recorded.starts.clear()
+    fit = run.report["max_overhead"].figures["fits"][0]
+    assert fit["verdict"] == "passed" and fit["batches_per_epoch"] == 21
+    epochs = _replayed_epochs(Recorded.steps)
+    # The warm-up epoch trains `warmup` batches (whole accumulation windows), the vanilla loop warms up on 3;
+    # then every timed epoch, the first round's vanilla one (run before its Lightning epoch) included, is whole.
+    assert epochs[:2] == [("L", warmup), ("V", 3)], epochs
+    assert epochs[2:] and all(batches == 21 for _, batches in epochs[2:]), epochs
+    assert sum(side == "L" for side, _ in epochs[2:]) == fit["rounds"] == sum(side == "V" for side, _ in epochs[2:])
+    # Lightning fetched one more batch of the warm-up (its hook ran) and trained none of it; torchperf's wrapper
+    # of the hook is gone from the second epoch on.
+    assert [wrapped for epoch, wrapped in Recorded.starts if epoch == 0] == [True] * (warmup + 1)
+    assert {wrapped for epoch, wrapped in Recorded.starts if epoch > 0} == {False}
+
+
+def test_a_warm_up_epoch_of_unknown_length_is_whole(tmp_path: Any) -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self) -> Iterator[Any]:
+            g = torch.Generator().manual_seed(0)
+            for _ in range(12):
+                yield torch.randn(8, generator=g), torch.randn(1, generator=g)
+
+    Recorded.steps.clear()
+    with watch(max_overhead="10000%", **ONLY_OVERHEAD) as run:
+        tiny_trainer(tmp_path).fit(Recorded(), DataLoader(Stream(), batch_size=1))
+        Recorded.steps.clear()
+    assert run.report["max_overhead"].figures["fits"][0]["verdict"] == "passed"
+    assert _replayed_epochs(Recorded.steps)[:2] == [("L", 12), ("V", 3)]
+
+
 def test_a_cpu_fit_is_timed_with_one_thread_in_a_unit_load_cannot_inflate(tmp_path: Any) -> None:
     torch.set_num_threads(2)  # the user's fit runs with two threads (the autouse fixture restores the count)
     with watch(max_overhead="10000%", **ONLY_OVERHEAD) as run:

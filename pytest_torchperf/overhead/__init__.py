@@ -11,7 +11,10 @@ process, on the same device, data, thread count and global torch flags::
 
     L0 (warm-up, profiled) | Vwarm V1 | L1 | L2 | V2 V3 | L3 | L4 | V4 V5 | L5 ...
 
-Round r pairs L_r with the adjacent V_r (V first in odd rounds, L first in
+L0 ends after :data:`~.replay.LIGHTNING_WARMUP_BATCHES` batches where the
+epoch's length is known beforehand (the module's ``on_train_batch_start``,
+wrapped on the replay's own copy for that epoch, returns -1); Vwarm is a few
+batches. Round r pairs L_r with the adjacent V_r (V first in odd rounds, L first in
 even ones). A Lightning epoch is timed from the end of one
 ``on_train_epoch_start`` boundary to the start of the next, so every per-epoch
 cost Lightning has is inside it; vanilla epochs run outside that window.
@@ -33,7 +36,7 @@ checkpointing (``enable_checkpointing=False``; ModelCheckpoint and
 EarlyStopping removed), no model summary, files under a temporary directory,
 and torchperf's profiler. Where the extra time went comes from Lightning's own
 profiler actions (``[Callback]X.on_train_batch_end``, ...) recorded during the
-untimed warm-up epoch.
+untimed warm-up epoch (an epoch's hooks spread over a whole epoch's batches).
 """
 
 from __future__ import annotations

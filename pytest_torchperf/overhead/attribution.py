@@ -138,7 +138,10 @@ def attribution(replay: Any) -> list[_Hook]:
             if site is not None:
                 locations.append((label, site[0], site[1]))
         display = locations[0][0] if len(locations) == 1 else (name if m else f"{hook} (hook)")
-        hooks.append(_Hook(display, seconds / n, int(calls), locations))
+        # An epoch's hook ran once in the profiled epoch, which may have ended early (the replay's warm-up):
+        # its time is spread over a whole epoch's batches.
+        per = replay.batches if "epoch" in hook and replay.batches > n else n
+        hooks.append(_Hook(display, seconds / per, int(calls), locations))
     hooks.sort(key=lambda h: h.seconds_per_batch, reverse=True)
     return hooks
 
@@ -150,7 +153,7 @@ def where_finding(replay: Any, hooks: list[_Hook]) -> Finding:
     shown = [h for h in hooks[:6] if h.seconds_per_batch >= max(extra * 0.02, 2e-6)]
     title = (
         f"where the extra {_seconds(max(extra, 0.0))} per batch went ({replay.batches} batches per epoch; "
-        "Lightning's profiler over one untimed epoch of the replay)"
+        f"Lightning's profiler over the replay's untimed first epoch, {replay.profiled_batches} batches)"
     )
     if not hooks:
         return Finding(title, ["no per-hook figures: Lightning could not be profiled in this replay"])
@@ -158,7 +161,7 @@ def where_finding(replay: Any, hooks: list[_Hook]) -> Finding:
     for h in shown:
         line = f"{_seconds(h.seconds_per_batch):>9} per batch  {h.name}"
         if h.calls and h.calls != replay.profiled_batches:
-            line += f" ({h.calls} calls per epoch)"
+            line += f" ({h.calls} call{'s' if h.calls != 1 else ''} in {replay.profiled_batches} profiled batches)"
         facts.append(line)
         for label, loc, user in h.locations:
             whose = "your code" if user else "library code"

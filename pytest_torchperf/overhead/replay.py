@@ -46,6 +46,13 @@ from ..timing.vanilla import _autocast_dtype, _module_device
 
 NAMES = ("Lightning fit", "vanilla loop")
 
+#: Batches of the replay's untimed, profiled first Lightning epoch (rounded up to whole accumulation
+#: windows): the first steps of a new Trainer (the DataLoader's first iterator, the optimizer's state,
+#: the loggers' set-up) and enough batches for per-batch profile figures. A longer epoch stops there
+#: (``on_train_batch_start`` returns -1, Lightning's own way to end an epoch early): the whole first
+#: epoch cost a 2-epoch test's check about 0.4 fits of its time.
+LIGHTNING_WARMUP_BATCHES = 8
+
 _DROPPED_TRAINER_ARGS = (
     "max_steps",
     "min_steps",
@@ -235,6 +242,33 @@ class _Interleaver:
         self.profiled_batches = 0
         self.threads: set[int] = set()
         self.stopped = False
+        #: Batches the warm-up epoch trains before it ends (set at the replay's start).
+        self.warmup_batches = LIGHTNING_WARMUP_BATCHES
+        #: A whole epoch's batches, where the warm-up ends early (``trainer.num_training_batches``).
+        self.epoch_batches: Optional[int] = None
+        #: The replay's module, while its ``on_train_batch_start`` is wrapped to end the warm-up epoch.
+        self._limited: Any = None
+
+    def _limit_warmup(self, pl_module: Any) -> None:
+        """End the warm-up epoch after :attr:`warmup_batches` (the module is the replay's own copy)."""
+        own = pl_module.on_train_batch_start
+        interleaver = self
+
+        def on_train_batch_start(*args: Any, **kwargs: Any) -> Any:
+            response = own(*args, **kwargs)
+            if interleaver.epoch == 0 and interleaver.batches > interleaver.warmup_batches:
+                interleaver.batches -= 1  # fetched (the timer counted it), not trained
+                return -1
+            return response
+
+        pl_module.on_train_batch_start = on_train_batch_start
+        self._limited = pl_module
+
+    def end_warmup_limit(self) -> None:
+        """The module's own ``on_train_batch_start`` again (idempotent)."""
+        module, self._limited = self._limited, None
+        if module is not None:
+            module.__dict__.pop("on_train_batch_start", None)
 
     def _vanilla_epoch(self, batches: int) -> tuple[float, Optional[float]]:
         assert self.loop is not None
@@ -252,6 +286,14 @@ class _Interleaver:
         self.window = Stopwatch(self.device)
         module = copy.deepcopy(self.fit.snapshot).to(self.device)
         self.loop = VanillaLoop(module, _train_loaders(trainer), trainer=trainer, **self.fit.mirror)
+        k = self.loop.accumulate
+        self.warmup_batches = -(-max(LIGHTNING_WARMUP_BATCHES, k) // k) * k
+        total = getattr(trainer, "num_training_batches", None)
+        # Only where every epoch's length is known beforehand: the first round's vanilla epoch runs before its
+        # Lightning one, as long as a whole epoch (an iterable dataset without a length: the warm-up is whole).
+        if isinstance(total, (int, float)) and total != float("inf") and int(total) > self.warmup_batches:
+            self.epoch_batches = int(total)
+            self._limit_warmup(pl_module)
 
     def on_train_epoch_start(self, trainer: Any) -> None:
         if self.stopped:
@@ -275,6 +317,10 @@ class _Interleaver:
             if ended == 0:
                 self.profiler.enabled = False
                 self.profiled_batches = n
+                if self._limited is not None:
+                    self.end_warmup_limit()
+                    if n == self.warmup_batches and self.epoch_batches is not None:
+                        n = self.epoch_batches  # the warm-up ended early: the first round's epochs are whole
             else:
                 if ended % 2 == 0:  # an L-first round: its vanilla epoch follows
                     self.v_times[ended] = self._vanilla_epoch(n)
@@ -496,6 +542,7 @@ def run_replay(fit: ObservedFit, max_overhead: Optional[float], rounds: int) -> 
         pin = stack.enter_context(torch_threads_pinned())
         stack.callback(shutil.rmtree, root, ignore_errors=True)
         interleaver = _Interleaver(fit, controller, profiler, pin)
+        stack.callback(interleaver.end_warmup_limit)
         timer = _timer_callback(fit.package)(interleaver)
         kwargs, excluded = _replay_trainer_kwargs(fit, timer, profiler, root, rounds, notes)
         if "profiler" not in kwargs:
