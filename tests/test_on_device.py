@@ -230,6 +230,7 @@ def test_lightning_logging_state_is_a_note_not_a_violation(tmp_path: Path) -> No
     assert {e["kind"] for e in notes} == {"built in the step"}
     assert check.summary.endswith("in pytorch_lightning (noted)")
     assert all(f.title.startswith("note: ") and not f.hint for f in check.findings)
+    assert {e["hint"] for e in notes} == {""}  # not spelled out at all (it reads the source): nobody is shown one
 
 
 def test_a_constant_built_in_init_and_copied_every_step_is_caught(tmp_path: Path) -> None:

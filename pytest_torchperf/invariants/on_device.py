@@ -100,8 +100,10 @@ class _Copy(PerStep):
         #: The most steps one tensor was copied in.
         self.most_steps = 0
         self.in_lightning = lightning.current_call() is not None
-        self.hint = spell(event, mover, self.in_lightning)
-        self.one_copy = one_copy(event, mover) if event.birth is not None and event.birth.copied else ""
+        # The hints read the statements' source (``ast``): only your code's copies show them (a library's copy
+        # is a note without a hint; Lightning's logged values are two such copies in every fit).
+        self.hint = spell(event, mover, self.in_lightning) if by_user else ""
+        self.one_copy = one_copy(event, mover) if by_user and event.birth is not None and event.birth.copied else ""
         tensor = event.tensor
         self.shape = tuple(tensor.shape)
         self.dtype = str(tensor.dtype).replace("torch.", "")
