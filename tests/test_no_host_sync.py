@@ -382,10 +382,10 @@ def test_a_torch_warning_inside_a_wrapper_points_at_the_users_line(tmp_path: Pat
     assert found == [("warns.py", lineno), ("warns.py", lineno), ("warns.py", lineno + 1)]
 
 
-def test_an_optimizer_state_built_before_the_watch_is_a_host_tensor(tmp_path: Path) -> None:
-    """Adam reads its CPU ``step`` counter with .item() per parameter: by design, not a device sync."""
+def _steps_with_a_state_built_before_the_watch(make_optimizer: Any) -> Any:
+    """Three watched steps of ``make_optimizer(params)`` on a Linear(8, 1), its state built by one step before the watch."""
     model = torch.nn.Linear(8, 1)
-    opt = torch.optim.Adam(model.parameters())
+    opt = make_optimizer(model.parameters())
     data = batches(3)
     x, y = data[0]
     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -399,8 +399,13 @@ def test_an_optimizer_state_built_before_the_watch_is_a_host_tensor(tmp_path: Pa
                 opt.zero_grad()
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
-    check = run.report["no_host_sync"]
-    assert check.status == "passed"
+    return run.report["no_host_sync"]
+
+
+def test_an_optimizer_state_built_before_the_watch_is_a_host_tensor() -> None:
+    """Adam reads its CPU ``step`` counter with .item() per parameter: by design, not a device sync."""
+    check = _steps_with_a_state_built_before_the_watch(torch.optim.Adam)
+    assert check.status == "passed", check.summary
     assert check.figures["host_tensor_reads"] == 3 * 2  # one .item() per parameter per step
     assert check.figures["syncs"] == 0
 
@@ -422,19 +427,7 @@ def test_an_optimizer_of_your_own_with_its_state_built_before_the_watch_reads_ho
                     state["step"] += 1
                     p.add_(p.grad, alpha=-group["lr"] / state["step"].item())
 
-    model = torch.nn.Linear(8, 1)
-    opt = Counted(model.parameters())
-    data = batches(3)
-    x, y = data[0]
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    opt.step()  # the state exists before the watch
-    with watch(scope="batch") as run:
-        for x, y in data:
-            with run.step():
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
-    check = run.report["no_host_sync"]
+    check = _steps_with_a_state_built_before_the_watch(Counted)
     assert check.status == "passed", check.summary
     assert check.figures["host_tensor_reads"] == 3 * 2
     assert check.figures["syncs"] == 0
