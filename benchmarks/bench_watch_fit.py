@@ -16,9 +16,12 @@ Besides the whole fits, each round times the costs a watch adds apart:
 
 ``--against PATH`` runs the same rounds in a second process on another checkout
 (the previous release), the two processes' rounds interleaved (see
-``_against.py``). ``--smoke``: a tiny setting for CI.
+``_against.py``). ``--clock cpu`` times each fit in the thread's CPU time rather
+than wall time: on a machine shared with other work, the time the fit waited
+for a CPU is left out (with ``--workers 0`` only: the DataLoader's worker
+processes would be left out too). ``--smoke``: a tiny setting for CI.
 
-    python benchmarks/bench_watch_fit.py [--rounds 15] [--workers 2] [--against /tmp/prev]
+    python benchmarks/bench_watch_fit.py [--rounds 15] [--workers 2] [--against /tmp/prev] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -81,11 +84,13 @@ def quantiles(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
-def round_runner(fit) -> "Callable[[int], dict[str, float]]":
+#: The clock each fit is timed with: wall time, or the thread's CPU time (``--clock cpu``).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def round_runner(fit, clock: "Callable[[], float]" = time.perf_counter) -> "Callable[[int], dict[str, float]]":
     """``one_round(r)``: every variant once, in an order rotated by ``r``; seconds per variant."""
     from pytest_torchperf import watch
-
-    clock = time.perf_counter
 
     def timed(fn) -> float:
         start = clock()
@@ -154,11 +159,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", type=int, default=64, help="batches per epoch (default 64)")
     parser.add_argument("--against", metavar="PATH", help="also time another checkout of the package, interleaved")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                        help="time fits in wall time or in the thread's CPU time (with --workers 0)")
     parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.batches = 2, 4
+    if args.clock == "cpu" and args.workers:
+        parser.error("--clock cpu times the main thread: it needs --workers 0 (the workers' processes would not count)")
 
     import logging
 
@@ -171,7 +180,8 @@ def main() -> None:
     fit = build(args.workers, args.batches)
     if not args.worker:  # a worker's stdout is the protocol
         print(f"tiny Lightning fit, 2 epochs x {args.batches} steps, num_workers={args.workers}, "
-              f"threads={args.threads}, {args.rounds} rounds (+1 warm-up), torch {torch.__version__}")
+              f"threads={args.threads}, {args.rounds} rounds (+1 warm-up), {args.clock} clock, "
+              f"torch {torch.__version__}")
     if args.worker:
         import sys
 
@@ -180,7 +190,7 @@ def main() -> None:
         import pytest_torchperf
 
         print(f"worker: {pytest_torchperf.__file__}", file=sys.stderr)
-        one_round = round_runner(fit)
+        one_round = round_runner(fit, CLOCKS[args.clock])
         counter = [0]
 
         def served() -> dict[str, float]:
@@ -195,7 +205,8 @@ def main() -> None:
 
         from _against import Workers
 
-        forwarded = ["--workers", str(args.workers), "--threads", str(args.threads), "--batches", str(args.batches)]
+        forwarded = ["--workers", str(args.workers), "--threads", str(args.threads), "--batches", str(args.batches),
+                     "--clock", args.clock]
         workers = Workers(os.path.abspath(sys.argv[0]), forwarded, {"this": None, "other": args.against})
         by_label: dict[str, dict[str, list[float]]] = {}
         try:
@@ -211,7 +222,7 @@ def main() -> None:
         for label in ("this", "other"):
             report(f"{label:6}", by_label[label])
         return
-    one_round = round_runner(fit)
+    one_round = round_runner(fit, CLOCKS[args.clock])
     times: dict[str, list[float]] = {}
     for r in range(args.rounds + 1):
         out = one_round(r)
