@@ -33,6 +33,8 @@ import time
 import warnings
 from typing import Callable
 
+from bench_step_checks import CLOCKS  # wall time, or the thread's CPU time (``--clock cpu``)
+
 
 def build(workers: int, batches: int = 64):
     import torch
@@ -82,10 +84,6 @@ def quantiles(values: list[float]) -> tuple[float, float, float]:
         return values[0], values[0], values[0]
     q = statistics.quantiles(values, n=4, method="inclusive")
     return q[0], statistics.median(values), q[2]
-
-
-#: The clock each fit is timed with: wall time, or the thread's CPU time (``--clock cpu``).
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def round_runner(fit, clock: "Callable[[], float]" = time.perf_counter) -> "Callable[[int], dict[str, float]]":

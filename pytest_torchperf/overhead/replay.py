@@ -15,6 +15,7 @@ import copy
 import importlib
 import inspect
 import logging
+import math
 import os
 import random
 import shutil
@@ -291,7 +292,7 @@ class _Interleaver:
         total = getattr(trainer, "num_training_batches", None)
         # Only where every epoch's length is known beforehand: the first round's vanilla epoch runs before its
         # Lightning one, as long as a whole epoch (an iterable dataset without a length: the warm-up is whole).
-        if isinstance(total, (int, float)) and total != float("inf") and int(total) > self.warmup_batches:
+        if isinstance(total, (int, float)) and math.isfinite(total) and int(total) > self.warmup_batches:
             self.epoch_batches = int(total)
             self._limit_warmup(pl_module)
 
@@ -317,9 +318,9 @@ class _Interleaver:
             if ended == 0:
                 self.profiler.enabled = False
                 self.profiled_batches = n
-                if self._limited is not None:
+                if self.epoch_batches is not None:
                     self.end_warmup_limit()
-                    if n == self.warmup_batches and self.epoch_batches is not None:
+                    if n == self.warmup_batches:
                         n = self.epoch_batches  # the warm-up ended early: the first round's epochs are whole
             else:
                 if ended % 2 == 0:  # an L-first round: its vanilla epoch follows
