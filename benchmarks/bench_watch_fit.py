@@ -27,6 +27,7 @@ processes would be left out too). ``--smoke``: a tiny setting for CI.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import tempfile
 import time
@@ -44,6 +45,9 @@ def build(workers: int, batches: int = 64):
         import pytorch_lightning as pl
     except ImportError:  # pragma: no cover
         import lightning.pytorch as pl
+    # Each fit's "GPU available" lines and the logger tip, hundreds in a run, would bury the report.
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     class Regressor(pl.LightningModule):
         def __init__(self) -> None:
