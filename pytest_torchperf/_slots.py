@@ -142,21 +142,26 @@ def _subclasses(tp: type) -> list[type]:
     return out
 
 
-#: class -> ``{table: address}`` of its number, sequence and mapping tables. A heap type's tables are parts
-#: of the type object itself, so their addresses are fixed for the class's life: read once (reading a field
-#: through ctypes costs about a microsecond, and a guard of ``torch.Tensor`` reads its 20-odd subclasses).
-_ADDRESSES: "weakref.WeakKeyDictionary[type, dict[int, int]]" = weakref.WeakKeyDictionary()
+#: id(class) -> (a weak reference to it, ``{table: address}`` of its number, sequence and mapping tables). A
+#: heap type's tables are parts of the type object itself, so their addresses are fixed for the class's life:
+#: read once (reading a field through ctypes costs about a microsecond, and a guard of ``torch.Tensor`` reads
+#: its 20-odd subclasses). Keyed by id with the reference checked, not a ``WeakKeyDictionary`` (whose ``get``
+#: is a Python call making a reference: a watch asks a few hundred times).
+_ADDRESSES: dict[int, tuple[Any, dict[int, int]]] = {}
 
 
 def _addresses(cls: type) -> dict[int, int]:
-    found = _ADDRESSES.get(cls)
-    if found is None:
-        found = {}
-        for which in _TABLE_SIZES:
-            address = _table(cls, which)
-            if address:
-                found[which] = address
-        _ADDRESSES[cls] = found
+    entry = _ADDRESSES.get(id(cls))
+    if entry is not None and entry[0]() is cls:
+        return entry[1]
+    found = {}
+    for which in _TABLE_SIZES:
+        address = _table(cls, which)
+        if address:
+            found[which] = address
+    if len(_ADDRESSES) > 4096:  # classes that died leave dead entries: bounded
+        _ADDRESSES.clear()
+    _ADDRESSES[id(cls)] = (weakref.ref(cls), found)
     return found
 
 
@@ -171,6 +176,8 @@ def table_bytes(tp: type) -> bytes:
 
 #: The guard of each class some patcher has patched a dunder on (shared: one snapshot per class).
 _GUARDS: dict[type, "SlotGuard"] = {}
+#: Guards released since, by class (weakly): one whose snapshot is still true serves the next patch.
+_RELEASED: "weakref.WeakKeyDictionary[type, SlotGuard]" = weakref.WeakKeyDictionary()
 
 
 def live_guards() -> list["SlotGuard"]:
@@ -190,7 +197,10 @@ class SlotGuard:
     def acquire(cls, tp: type) -> "SlotGuard":
         guard = _GUARDS.get(tp)
         if guard is None:
-            guard = _GUARDS[tp] = cls(tp)
+            guard = _RELEASED.pop(tp, None)
+            if guard is None or not guard._still_true():
+                guard = cls(tp)
+            _GUARDS[tp] = guard
         guard.users += 1
         return guard
 
@@ -202,6 +212,23 @@ class SlotGuard:
             return
         _GUARDS.pop(self.tp, None)
         self.restore()
+        self.names.clear()
+        _RELEASED[self.tp] = self  # its snapshot, checked again before it serves the next patch
+
+    def _still_true(self) -> bool:
+        """Whether the snapshot is still the class's tables byte for byte, for the same subclasses (a
+        released guard's snapshot serves the next watch then: a watch patches the same classes every time)."""
+        classes = [cls for cls in [self.tp] + _subclasses(self.tp) if cls.__flags__ & _HEAPTYPE]
+        if len(classes) != len(self._saved):
+            return False
+        for cls in classes:
+            saved = self._saved.get(cls)
+            if saved is None or _addresses(cls).keys() != saved.keys():
+                return False
+            for which, (address, data) in saved.items():
+                if _addresses(cls)[which] != address or ctypes.string_at(address, len(data)) != data:
+                    return False
+        return True
 
     def __init__(self, tp: type) -> None:
         if supported():
@@ -328,6 +355,12 @@ class SlotRoute:
         self.live = bool(self._original) and self._patch != self._original
         self.users = 0
         self._lock = threading.Lock()
+
+    def on_scope(self, in_scope: bool) -> None:
+        """A scope listener (``FLAGS.listeners``) while a fetch runs: a step beginning meanwhile (in another
+        thread) points the slot back at the patch at once."""
+        if in_scope:
+            self.patched(leaving=False)
 
     def unpatched(self) -> None:
         with self._lock:

@@ -10,16 +10,18 @@ never turns tensors into sequences.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import sys
 import types
+import weakref
 from types import ModuleType
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Optional, TypeVar
 
 from . import _slots
 
-__all__ = ["Patcher", "SlotPatchUnsupported", "lift_all", "relay_all", "wraps"]
+__all__ = ["Patch", "Patcher", "SlotPatchUnsupported", "lift_all", "relay_all", "wraps"]
 
 #: Callables implemented in C, whose ``__name__``, ``__doc__``... are read-only and which have no ``__dict__``:
 #: what :func:`wraps` copies from one of them is read once per process.
@@ -74,17 +76,31 @@ class _Layers:
     installed lazily), so an attribute is never put back to "the value before
     my patch": it is set to the top remaining layer, or, when none is left,
     to what it was before any (deleted if it was inherited).
+
+    A patch is its layer, ``(layers, value)``: the patcher's undo list holds that
+    very tuple, and :func:`_restore` takes it out by identity. Once no layer is
+    left, the object is kept (without its owner and base) for the next patch of the
+    same attribute (:data:`_SPARE`): a watch sets and undoes the same hundred-odd
+    attributes every time, and each new bookkeeping object is one more for the
+    garbage collector's count.
     """
 
-    __slots__ = ("owner", "name", "base", "stack")
+    __slots__ = ("owner", "name", "base", "stack", "key")
 
-    def __init__(self, owner: Any, name: str) -> None:
-        self.owner = owner
+    def __init__(self, owner: Any, name: str, key: tuple[int, str]) -> None:
         self.name = name
+        self.key = key
+        #: ``(self, value)``, oldest first.
+        self.stack: list[tuple[_Layers, Any]] = []
+        self.owner: Any = None
+        self.base: Any = _MISSING
+        self.own(owner)
+
+    def own(self, owner: Any) -> None:
+        """Hold the attribute of ``owner`` as it is now, below any layer."""
+        self.owner = owner
         own = getattr(owner, "__dict__", None)  # ``vars(owner)``, read once
-        self.base = own.get(name, _MISSING) if own is not None else _MISSING
-        #: ``(token, value)``, oldest first.
-        self.stack: list[tuple[object, Any]] = []
+        self.base = own.get(self.name, _MISSING) if own is not None else _MISSING
 
     def show(self) -> None:
         """Set the attribute to the top layer, or to its own value when there is none."""
@@ -107,20 +123,59 @@ class _Layers:
             self.stack = top
 
 
+#: One patch: its layer, ``(the attribute's layers, the value set)``, as :meth:`Patcher.setattr` returns it.
+Patch = tuple[_Layers, Any]
+
+#: Wrappers built inside :meth:`Patcher.reusing`: (scope, id(owner), name) -> (owner, what it wrapped, wrapper).
+_KEPT: dict[tuple[Hashable, int, str], tuple[Any, Any, Any]] = {}
+
 #: (id(owner), name) -> its layers, while patched.
 _ATTRIBUTES: dict[tuple[int, str], _Layers] = {}
 
+#: (id(owner), name) -> (a weak reference to the owner, its layers, empty): kept for the next patch of the
+#: attribute. Bounded: cleared when it outgrows :data:`_SPARE_MAX` (owners that died leave dead entries).
+_SPARE: dict[tuple[int, str], tuple[Any, _Layers]] = {}
+_SPARE_MAX = 4096
 
-def _restore(layers: _Layers, token: object, key: tuple[int, str]) -> None:
-    """Undo one patch: take its layer out, show what is left, and forget the attribute once none is."""
-    stack = layers.stack
-    if len(stack) == 1 and stack[0][0] is token:  # the one layer (the usual case)
-        stack.clear()
+
+def _layers(owner: Any, name: str) -> _Layers:
+    """The layers of ``owner.name``: the live ones, a spare one, or new ones."""
+    key = (id(owner), name)
+    layers = _ATTRIBUTES.get(key)
+    if layers is not None and layers.owner is owner:
+        return layers
+    spare = _SPARE.pop(key, None)
+    if spare is not None and spare[0]() is owner:
+        layers = spare[1]
+        layers.own(owner)
     else:
-        stack[:] = [layer for layer in stack if layer[0] is not token]
+        layers = _Layers(owner, name, key)
+    _ATTRIBUTES[layers.key] = layers  # a spare's own key: the one just made is dropped at once
+    return layers
+
+
+def _restore(entry: tuple[_Layers, Any]) -> None:
+    """Undo one patch: take its layer out, show what is left, and forget the attribute once none is."""
+    layers = entry[0]
+    stack = layers.stack
+    if stack and stack[-1] is entry:  # the newest layer (the usual case: undone newest first)
+        stack.pop()
+    else:
+        stack[:] = [layer for layer in stack if layer is not entry]
     layers.show()
-    if not stack and _ATTRIBUTES.get(key) is layers:
+    if stack:
+        return
+    key = layers.key
+    if _ATTRIBUTES.get(key) is layers:
         del _ATTRIBUTES[key]
+    owner, layers.owner, layers.base = layers.owner, None, _MISSING
+    try:
+        ref = weakref.ref(owner)
+    except TypeError:  # an owner without weak references: nothing kept
+        return
+    if len(_SPARE) >= _SPARE_MAX:
+        _SPARE.clear()
+    _SPARE[key] = (ref, layers)
 
 
 def lift_all() -> None:
@@ -190,34 +245,51 @@ class Patcher:
     """Collects undo actions; :meth:`undo` runs them newest first, once."""
 
     def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
+        #: Callables, and the layers of patches (``(layers, value)`` tuples, see :class:`_Layers`).
+        self._undo: list[Any] = []
         #: Undo actions that must not run in the middle of a probe's own call (see :meth:`callback`).
         self._deferred: set[int] = set()
         self._import_hook: Optional[_PostImportHook] = None
         self._guards: dict[type, _slots.SlotGuard] = {}
         #: Classes this patcher gave an ``__init_subclass__`` hook (see :meth:`_adopt_subclasses`).
         self._adopting: set[type] = set()
+        #: The scope of the :meth:`reusing` block open now.
+        self._reuse: Optional[Hashable] = None
 
-    def setattr(self, owner: Any, name: str, value: Any) -> None:
-        """Set ``owner.name = value``, remembering how to put the old state back.
+    def setattr(self, owner: Any, name: str, value: Any) -> "Patch":
+        """Set ``owner.name = value``, remembering how to put the old state back; returns the patch (for
+        :meth:`take_back`).
 
         Raises :class:`SlotPatchUnsupported` (and sets nothing) for a name such as
         ``__getitem__`` on a class when this interpreter's type slots cannot be kept.
         """
         guard = self._guard(owner, name) if name.endswith("__") else None
-        # The attribute's layers, found or made here (about 136 patches a watch, each set and undone).
-        key = (id(owner), name)
-        layers = _ATTRIBUTES.get(key)
-        if layers is None or layers.owner is not owner:
-            layers = _ATTRIBUTES[key] = _Layers(owner, name)
-        token = object()
-        layers.stack.append((token, value))
+        # The attribute's layers (about 136 patches a watch, each set and undone); the new layer is the undo.
+        layers = _layers(owner, name)
+        entry = (layers, value)
+        layers.stack.append(entry)
         setattr(owner, name, value)
         if guard is not None:
             guard.patched(name)
             if name in _slots.TWIN_NAMES and owner not in self._adopting:
                 self._adopt_subclasses(owner, guard)
-        self._undo.append(functools.partial(_restore, layers, token, key))
+        self._undo.append(entry)
+        return entry
+
+    def take_back(self, patch: "Patch") -> bool:
+        """Undo one patch of this patcher's now, when nothing was put over it since (no later layer, the
+        attribute still holds it); returns whether it was undone. Its place is free: a later patch of the
+        same attribute goes on top of whatever is there then."""
+        layers, value = patch
+        stack = layers.stack
+        if not stack or stack[-1] is not patch or getattr(layers.owner, layers.name, _MISSING) is not value:
+            return False
+        for i in range(len(self._undo) - 1, -1, -1):
+            if self._undo[i] is patch:
+                del self._undo[i]
+                _restore(patch)
+                return True
+        return False
 
     def _guard(self, owner: Any, name: str) -> Optional[_slots.SlotGuard]:
         """The slot guard of class ``owner`` when ``name`` is a dunder (created before its first patch)."""
@@ -261,10 +333,45 @@ class Patcher:
 
         self.setattr(owner, "__init_subclass__", classmethod(__init_subclass__))
 
-    def wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        """Replace ``owner.name`` by ``make(original)``."""
+    def wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> "Patch":
+        """Replace ``owner.name`` by ``make(original)`` (inside :meth:`reusing`: the wrapper kept from the last
+        time, when ``owner.name`` is still the very object it wrapped)."""
         original = getattr(owner, name)
-        self.setattr(owner, name, make(original))
+        scope = self._reuse
+        if scope is None:
+            return self.setattr(owner, name, make(original))
+        key = (scope, id(owner), name)
+        kept = _KEPT.get(key)
+        if kept is not None and kept[0] is owner and kept[1] is original:
+            wrapper = kept[2]
+        else:
+            wrapper = make(original)
+            _KEPT[key] = (owner, original, wrapper)
+        return self.setattr(owner, name, wrapper)
+
+    @contextlib.contextmanager
+    def reusing(self, scope: Hashable) -> Iterator[None]:
+        """Inside, :meth:`wrap` keeps each wrapper it builds for the next watch, and reuses the one kept when
+        the attribute still holds the object it wrapped, under the same ``scope``.
+
+        ``scope`` is everything a wrapper's behaviour depends on besides what it wraps and the state it reads
+        when called: the probe that builds it and the values its install read once (is there an
+        accelerator?). A probe's wrappers are closures over the probe and its install's locals, so building
+        them anew at every watch (a function, its cells and its ``__dict__`` a wrapper, over a hundred a
+        watch) is what most of a watch's objects were; kept, they live in the old generation once, instead
+        of every watch's adding to the count that triggers a full garbage collection.
+        """
+        previous, self._reuse = self._reuse, scope
+        try:
+            yield
+        finally:
+            self._reuse = previous
+
+    @property
+    def reuse_scope(self) -> Optional[Hashable]:
+        """The scope of the :meth:`reusing` block the patcher is in (None outside one): for patches made later,
+        from a callback, under the same scope."""
+        return self._reuse
 
     def callback(self, fn: Callable[[], None], *, deferred: bool = False) -> None:
         """Run ``fn`` on undo (for state that is not an attribute).
@@ -315,7 +422,10 @@ class Patcher:
                 kept.append(action)
                 continue
             try:
-                action()
+                if type(action) is tuple:  # a patch's layer (:meth:`setattr`)
+                    _restore(action)
+                else:
+                    action()
             except Exception as exc:  # keep undoing the rest, then report
                 errors.append(exc)
         self._undo = kept[::-1]

@@ -181,3 +181,67 @@ def test_a_routed_slot_goes_to_torch_s_own_code_for_a_while_and_the_class_ends_b
     route.patched()
     assert {cls: _slots.table_bytes(cls) for cls in tables} == tables
     assert operator.getitem(t, 3) == 3 and len(seen) == 4 and "__getitem__" not in vars(torch.Tensor)
+
+
+def test_wrappers_built_inside_reusing_are_kept_for_the_next_patcher_while_what_they_wrap_is_there() -> None:
+    module = types.SimpleNamespace(f=lambda: "original")
+    built = []
+
+    def make(original: object) -> object:
+        def wrapper() -> str:
+            return "wrapped:" + original()  # type: ignore[operator]
+
+        built.append(wrapper)
+        return wrapper
+
+    def install(scope: object) -> object:
+        before = module.f
+        patcher = Patcher()
+        with patcher.reusing(scope):
+            patcher.wrap(module, "f", make)
+        assert module.f() == "wrapped:" + before()
+        value = module.f
+        patcher.undo()
+        assert module.f is before
+        return value
+
+    first = install("scope")
+    assert install("scope") is first and len(built) == 1  # the same wrapper, not built again
+    assert install("another scope") is not first and len(built) == 2  # another scope: its own
+    module.f = lambda: "replaced"  # what it wrapped is gone: built again, around the new one
+    third = install("scope")
+    assert third is not first and len(built) == 3
+    patcher = Patcher()
+    patcher.wrap(module, "f", make)  # outside ``reusing``: always built
+    assert len(built) == 4 and module.f() == "wrapped:replaced"
+    patcher.undo()
+
+
+def test_a_patch_is_taken_back_alone_only_while_nothing_is_over_it() -> None:
+    module = types.SimpleNamespace(f="original", g="g")
+    first, second = Patcher(), Patcher()
+    patch = first.setattr(module, "f", "first")
+    first.setattr(module, "g", "first g")
+    second_patch = second.setattr(module, "f", "second")
+    assert not first.take_back(patch) and module.f == "second"  # another layer over it: stays
+    assert second.take_back(second_patch) and module.f == "first"
+    module.f = "set by hand"  # not through a patcher: the attribute no longer holds the patch
+    assert not first.take_back(patch) and module.f == "set by hand"
+    module.f = "first"
+    assert first.take_back(patch) and module.f == "original" and module.g == "first g"
+    assert not first.take_back(patch)  # once
+    first.undo()  # the rest; the patch taken back is not undone twice
+    assert (module.f, module.g) == ("original", "g")
+    second.undo()
+    assert (module.f, module.g) == ("original", "g")
+
+
+def test_a_watch_sets_the_very_wrappers_of_the_last_one() -> None:
+    from pytest_torchperf import watch
+
+    seen = []
+    for _ in range(2):
+        with watch():
+            seen.append((vars(torch.Tensor)["item"], vars(torch.Tensor)["to"], torch.randn, torch.Tensor.__getitem__))
+        assert "item" not in vars(torch.Tensor) and "to" not in vars(torch.Tensor)
+    assert all(a is b for a, b in zip(*seen))

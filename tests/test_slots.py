@@ -96,3 +96,35 @@ def test_a_static_type_s_twin_slot_cannot_be_patched() -> None:
     assert dict.__getitem__(  # dict itself is untouched
         {"k": 1}, "k"
     ) == 1
+
+
+@pytest.mark.skipif(bool(_slots.supported()), reason="slot tables not supported on this interpreter")
+def test_a_released_snapshot_serves_the_next_patch_only_while_it_is_still_true() -> None:
+    class Base(Mapping):
+        pass
+
+    class Sub(Base):
+        pass
+
+    def patch_and_undo() -> object:
+        patcher = Patcher()
+        patcher.wrap(Base, "__getitem__", lambda original: lambda self, key: original(self, key))
+        guard = _slots._GUARDS[Base]
+        assert not _is_sequence(Sub(a=1)) and Sub(a=1)["a"] == 1
+        patcher.undo()
+        return guard
+
+    first = patch_and_undo()
+    assert patch_and_undo() is first  # the same classes, byte for byte: the snapshot is still true
+
+    class Later(Base):  # a new subclass: the snapshot lacks it
+        pass
+
+    second = patch_and_undo()
+    assert second is not first
+    Sub.__len__ = lambda self: 0  # a subclass's own tables changed by hand since
+    tables = {cls: _slots.table_bytes(cls) for cls in (Base, Sub, Later)}
+    third = patch_and_undo()
+    assert third is not second
+    assert {cls: _slots.table_bytes(cls) for cls in (Base, Sub, Later)} == tables  # as they were, the change kept
+    assert patch_and_undo() is third
