@@ -184,7 +184,8 @@ class Engine:
     def _install_probe(self, probe: Any, run: Run) -> None:
         patcher = Patcher()
         try:
-            probe.install(patcher)
+            with patcher.reusing(probe if getattr(probe, "keeps_wrappers", False) else None):
+                probe.install(patcher)
         except Exception as exc:  # noqa: BLE001 - a probe that cannot install is reported, not raised
             patcher.undo()
             run.internal_errors.setdefault(probe.name, f"{type(exc).__name__}: {exc}")

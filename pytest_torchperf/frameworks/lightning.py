@@ -26,6 +26,7 @@ by torchperf itself run :func:`unobserved`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import weakref
@@ -296,11 +297,14 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _patch_trainer(patcher: Patcher, trainer_cls: Any, package: str) -> None:
-    if "__init__" in vars(trainer_cls):
-        patcher.setattr(trainer_cls, "__init__", _wrap_init(vars(trainer_cls)["__init__"]))
-    for kind in _TRAINER_CALLS:
-        if kind in vars(trainer_cls):
-            patcher.setattr(trainer_cls, kind, _wrap_trainer_call(kind, vars(trainer_cls)[kind], package))
+    # The wrappers read only the observer when called: kept from watch to watch (built again only when the
+    # Trainer's own function is no longer the one they wrap).
+    with patcher.reusing(("lightning", package)):
+        if "__init__" in vars(trainer_cls):
+            patcher.wrap(trainer_cls, "__init__", _wrap_init)
+        for kind in _TRAINER_CALLS:
+            if kind in vars(trainer_cls):
+                patcher.wrap(trainer_cls, kind, functools.partial(_wrap_trainer_call, kind, package=package))
 
 
 def install(patcher: Patcher) -> None:

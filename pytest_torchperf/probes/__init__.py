@@ -49,6 +49,11 @@ class Probe:
     #: Events this probe sends beyond :data:`pytest_torchperf.core.EVENTS` (name -> what a handler receives):
     #: the checks of the invariants that use the probe may define them.
     events: "Mapping[str, str]" = {}
+    #: :meth:`install` builds the same wrappers every time: closures over the probe and over state it keeps
+    #: in place (read when called), nothing install reads once. The engine then keeps them for the next watch
+    #: (:meth:`~pytest_torchperf.patching.Patcher.reusing`, scoped by the probe): a wrapper is built again
+    #: only when what it wraps is no longer there.
+    keeps_wrappers: bool = False
 
     def __init__(self) -> None:
         #: What this probe could not attach to in this process (feature -> why); reset with the probe.
@@ -87,6 +92,30 @@ def is_compiling_function() -> Callable[[], bool]:
     if fn is None:  # pragma: no cover - torch < 2.3
         fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
     return fn or (lambda: False)
+
+
+class _NoSession:
+    """Where torch has no compile-session flag: never in one (its ``is_compiling()`` is the whole check)."""
+
+    _is_compiling_flag = False
+
+
+def compiling_parts() -> tuple[Callable[[], bool], Any]:
+    """``(traced, session)``: the check of :func:`is_compiling_function` in two parts, for the hottest wrappers.
+
+    ``traced()`` is a function TorchDynamo folds to True while it traces (``torch.compiler.
+    is_dynamo_compiling``: one Python call eager, against two for ``is_compiling()``), and
+    ``session._is_compiling_flag`` is what ``is_compiling()`` reads otherwise (a compile session, an
+    export). A wrapper writes ``traced() or session._is_compiling_flag`` first: while dynamo traces it,
+    the attribute is never reached, so its graph guards on nothing of torchperf's or of that flag.
+    """
+    import torch
+
+    compiler = getattr(torch, "compiler", None)
+    traced = getattr(compiler, "is_dynamo_compiling", None)
+    if traced is None or not hasattr(compiler, "_is_compiling_flag"):  # pragma: no cover - torch < 2.3
+        return is_compiling_function(), _NoSession
+    return traced, compiler
 
 
 def cuda_available() -> bool:

@@ -173,7 +173,13 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
 
         return wraps(original)(fn)
 
+    scope = patcher.reuse_scope  # the lazy patches below are kept for later watches as the others are
+
     def wrap_tensor_operations() -> None:
+        with patcher.reusing(scope):
+            _wrap_tensor_operations()
+
+    def _wrap_tensor_operations() -> None:
         for name in BINARY:
             patcher.wrap(tensor_type, name, lambda original, name=name: binary(name, original))  # type: ignore[misc]
         for name in UNARY:

@@ -157,6 +157,7 @@ class BatchesProbe(Probe):
     """The DataLoader timing probe (see the module's docstring)."""
 
     name = "batches"
+    keeps_wrappers = True
 
     def __init__(self) -> None:
         super().__init__()

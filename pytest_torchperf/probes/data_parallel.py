@@ -33,6 +33,7 @@ __all__ = ["DataParallelProbe", "PROBE"]
 
 class DataParallelProbe(Probe):
     name = "data_parallel"
+    keeps_wrappers = True
 
     def __init__(self) -> None:
         super().__init__()

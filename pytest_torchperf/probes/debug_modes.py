@@ -28,6 +28,7 @@ MODES = ("anomaly", "profiler", "launch_blocking", "deterministic")
 
 class DebugModesProbe(Probe):
     name = "debug_modes"
+    keeps_wrappers = True
 
     def __init__(self) -> None:
         super().__init__()

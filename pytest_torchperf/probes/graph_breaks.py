@@ -81,6 +81,7 @@ def _user_stack(exc: Any, above: Stack) -> Stack:
 
 class GraphBreaksProbe(ModuleProbe):
     name = "graph_breaks"
+    keeps_wrappers = True
     module = _SYMBOLIC_CONVERT
     #: Compiles are counted by the recompiles probe's compile-start callback.
     needs = ("recompiles",)

@@ -37,6 +37,7 @@ class IteratorsProbe(Probe):
     """The DataLoader iterator and worker-pool probe (see the module's docstring)."""
 
     name = "iterators"
+    keeps_wrappers = True
 
     def __init__(self) -> None:
         super().__init__()

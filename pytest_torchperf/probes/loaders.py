@@ -185,6 +185,7 @@ class LoadersProbe(Probe):
     """DataLoader construction, passes and batches, for the runs that keep a :class:`LoaderLog`."""
 
     name = "loaders"
+    keeps_wrappers = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -51,7 +51,7 @@ from .. import _slots, core
 from ..core import FLAGS
 from ..frames import Located, locate
 from ..patching import SlotPatchUnsupported, wraps
-from . import Probe
+from . import Probe, compiling_parts
 from .tensors import PROBE as TENSORS
 from .tensors import _subclass_dispatch
 
@@ -157,6 +157,8 @@ class SyncsProbe(Probe):
         self.pid: Optional[int] = None
         #: Reads of host tensors inside steps: not syncs, counted for the report.
         self.host_reads = 0
+        #: The slot route of ``tensor[i]`` while a DataLoader fetches (:meth:`_route_fetches`), this watch's.
+        self.route: Optional[_slots.SlotRoute] = None
 
     # -- events ----------------------------------------------------------------------------
     def send(self, event: Sync) -> list[Any]:
@@ -180,20 +182,30 @@ class SyncsProbe(Probe):
 
     # -- install ---------------------------------------------------------------------------
     def install(self, patcher: "Patcher") -> None:
-        """Patch the synchronising operations; undone by ``patcher``."""
+        """Patch the synchronising operations; undone by ``patcher``.
+
+        The wrappers are built once and kept for later watches (:meth:`~pytest_torchperf.patching.Patcher.
+        reusing`): they read the probe's state when called; whether CUDA is there, read here, is part of
+        their scope.
+        """
         import torch
-        import torch.nn.functional as F
 
         self.reset()
         patcher.callback(self.reset, deferred=True)
+        self.thread, self.pid = threading.get_ident(), os.getpid()
+        cuda_available = torch.cuda.is_available()
+        with patcher.reusing((self, cuda_available, TENSORS, TENSORS.compiling)):
+            self._install(patcher, torch, cuda_available)
+
+    def _install(self, patcher: "Patcher", torch: Any, cuda_available: bool) -> None:
+        import torch.nn.functional as F
+
         tensor_type = torch.Tensor
         flags = FLAGS
         is_compiling = TENSORS.compiling
         getframe = sys._getframe
         probe = self
-        self.thread, self.pid = threading.get_ident(), os.getpid()
         masks = (torch.bool, torch.uint8)
-        cuda_available = torch.cuda.is_available()
         is_host_tensor = TENSORS.is_host_tensor
         dispatch = _subclass_dispatch(torch)
 
@@ -329,13 +341,14 @@ class SyncsProbe(Probe):
             return wraps(original)(wrapper)
 
         host_get = TENSORS.host.get
+        traced, session = compiling_parts()  # ``is_compiling()`` in one call: Adam reads 6 counters a step
 
         def unary(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
             def wrapper(self: Any) -> Any:
                 __tracebackhide__ = True
                 if type(self) is not tensor_type and dispatch.overrides(self):
                     return dispatch.call(original, self, (), {})
-                if is_compiling() or not flags.in_scope:
+                if traced() or session._is_compiling_flag or not flags.in_scope:
                     return original(self)
                 # Fast path for the most common read inside a step: a host tensor (an optimizer's step
                 # counter read with .item() once per parameter per step).
@@ -470,19 +483,26 @@ class SyncsProbe(Probe):
             return
         if not route.live:
             return
-        patcher.callback(route.close)  # before the patch of ``__getitem__`` is undone
+        # This watch's route: the fetch wrapper, kept from watch to watch, reads it when called.
+        self.route = route
+
+        def close() -> None:
+            route.close()
+            if self.route is route:
+                self.route = None
+
+        patcher.callback(close)  # before the patch of ``__getitem__`` is undone
         flags = FLAGS
         listeners = FLAGS.listeners
-
-        def on_scope(in_scope: bool) -> None:
-            if in_scope:
-                route.patched(leaving=False)
+        probe = self
 
         def wrap_fetch(original: Callable[..., Any]) -> Callable[..., Any]:
             def fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
-                if flags.in_scope:
+                route = probe.route
+                if flags.in_scope or route is None:
                     return original(self, *args, **kwargs)
+                on_scope = route.on_scope
                 listeners.append(on_scope)
                 route.unpatched()
                 try:

@@ -188,14 +188,26 @@ class TensorsProbe(HostRegistry, Probe):
 
     # -- install ---------------------------------------------------------------------------
     def install(self, patcher: "Patcher") -> None:
-        """Patch torch's factories, conversions, moves and a few cheap operations; undone by ``patcher``."""
+        """Patch torch's factories, conversions, moves and a few cheap operations; undone by ``patcher``.
+
+        The wrappers are built once and kept for later watches (:meth:`~pytest_torchperf.patching.Patcher.
+        reusing`): they read this probe's state when called, and the one value read here (is there an
+        accelerator?) is part of their scope.
+        """
         import torch
 
         self.reset()
         patcher.callback(self.reset, deferred=True)
+        self.compiling = is_compiling_function()
+        # A real host-to-device copy can only happen where an accelerator is present.
+        accelerated = accelerator_available()
+        with patcher.reusing((self, accelerated, self.compiling)):
+            self._install(patcher, torch, accelerated)
+
+    def _install(self, patcher: "Patcher", torch: Any, accelerated: bool) -> None:
         self.tensor_type = tensor_type = torch.Tensor
         self.device_type = torch.device
-        self.compiling = is_compiling = is_compiling_function()
+        is_compiling = self.compiling
         flags = FLAGS
         getframe = sys._getframe
         probe = self
@@ -215,9 +227,8 @@ class TensorsProbe(HostRegistry, Probe):
             return wraps(original)(make)
 
         for name in FACTORIES:
-            original = getattr(torch, name, None)
-            if original is not None:
-                patcher.setattr(torch, name, factory(name, original))
+            if getattr(torch, name, None) is not None:
+                patcher.wrap(torch, name, lambda original, name=name: factory(name, original))  # type: ignore[misc]
 
         def conversion(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             def convert(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -236,9 +247,6 @@ class TensorsProbe(HostRegistry, Probe):
 
         for name in CONVERSIONS:
             patcher.wrap(tensor_type, name, lambda original, name=name: conversion(name, original))  # type: ignore[misc]
-
-        # A real host-to-device copy can only happen where an accelerator is present.
-        accelerated = accelerator_available()
 
         def after_to(self: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], frame: Optional[FrameType]) -> None:
             target = probe.target_of_to(args, kwargs)
