@@ -21,14 +21,16 @@ framework's step) disarms the run for good: marked steps win.
 
 The probes here are two: a global optimizer step post-hook and a wrapper of
 torch's backward entry point (``torch.autograd._engine_run_backward``). The
-wrapper is installed when torch is imported and returns after two attribute
-loads while no run is armed (a run that marks its steps disarms itself at its
-first one), and once every armed run's steps are found at optimizer steps. The
-post-hook is registered only while a run is armed: the last run to be disarmed
-removes it, unless that happens while torch is calling the post-hooks (from one
-of them: removing it then would change the dict torch iterates), when it stays
-until the watch ends. So a loop with marked steps (Lightning's, ``run.step()``)
-pays for no post-hook call.
+wrapper is in only while some armed run looks at backward passes: it is taken
+out once none does (a run that marks its steps disarms itself at its first
+backward pass; a run whose steps are found at optimizer steps stops looking at
+backward passes), unless something was patched over it since, when it stays,
+returning after two attribute loads, until the watch ends. The post-hook is
+registered only while a run is armed: the last run to be disarmed removes it,
+unless that happens while torch is calling the post-hooks (from one of them:
+removing it then would change the dict torch iterates), when it stays until
+the watch ends. So a loop with marked steps (Lightning's, ``run.step()``) pays
+for neither after its first step.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ _MARKED = "marked steps"
 class _Armed:
     """How many runs are armed now (read on the hot paths: one attribute load; see ``core._Flags``)."""
 
-    __slots__ = ("count", "backward", "hook", "handle", "optimizer_file")
+    __slots__ = ("count", "backward", "hook", "handle", "optimizer_file", "wrap_backward", "wrapped", "patcher")
 
     def __init__(self) -> None:
         self.count = 0
@@ -69,6 +71,12 @@ class _Armed:
         self.handle: Any = None
         #: ``torch/optim/optimizer.py``: its frames tell whether torch is calling the post-hooks now.
         self.optimizer_file = ""
+        #: Puts the backward wrapper in and returns its patch (None before torch is hooked).
+        self.wrap_backward: Optional[Callable[[], Any]] = None
+        #: The backward wrapper's patch while it is in.
+        self.wrapped: Any = None
+        #: The patcher it is in.
+        self.patcher: Any = None
 
 
 ARMED = _Armed()
@@ -103,6 +111,20 @@ def arm(run: "Run") -> None:
     ARMED.backward += 1
     if ARMED.handle is None and ARMED.hook is not None:
         ARMED.handle = ARMED.hook()
+    _follow_backward(ARMED)
+
+
+def _follow_backward(armed: "_Armed") -> None:
+    """The backward wrapper in while some armed run looks at backward passes, out once none does.
+
+    It is taken out only when it is the attribute's top layer (nothing put over it since), so a wrapper
+    put in after it never ends up wrapping it twice; else it stays, returning at once, until the watch ends.
+    """
+    if armed.backward:
+        if armed.wrapped is None and armed.wrap_backward is not None:
+            armed.wrapped = armed.wrap_backward()
+    elif armed.wrapped is not None and armed.patcher is not None and armed.patcher.take_back(armed.wrapped):
+        armed.wrapped = None
 
 
 def _unhook(armed: "_Armed") -> None:
@@ -139,6 +161,7 @@ def _disarm(run: "Run", auto: AutoSteps, why: str) -> None:
     if auto.mode != "optimizer":
         ARMED.backward -= 1
     _unhook(ARMED)
+    _follow_backward(ARMED)
     if auto.open:
         auto.open = False
         run.step_ended()
@@ -154,6 +177,7 @@ def close(run: "Run") -> None:
     if auto.mode != "optimizer":
         ARMED.backward -= 1
     _unhook(ARMED)
+    _follow_backward(ARMED)
     if auto.open:
         auto.open = False
         run.step_ended()
@@ -211,6 +235,7 @@ def optimizer_step(run: "Run", auto: AutoSteps, optimizer: Any) -> None:
     auto.mode = "optimizer"
     ARMED.backward -= 1  # backward passes no longer begin its steps
     auto.stepped = {key}
+    _follow_backward(ARMED)
 
 
 def _armed_runs() -> list[tuple["Run", AutoSteps]]:
@@ -232,6 +257,7 @@ def _reset() -> None:
     ARMED.count = 0
     ARMED.backward = 0
     handle, ARMED.handle, ARMED.hook = ARMED.handle, None, None
+    ARMED.wrap_backward = ARMED.wrapped = ARMED.patcher = None  # the patcher undoes the wrapper itself
     if handle is not None:
         handle.remove()
 
@@ -284,7 +310,13 @@ def _install(patcher: "Patcher") -> None:
 
         return run_backward
 
-    if callable(getattr(torch.autograd, "_engine_run_backward", None)):
-        patcher.wrap(torch.autograd, "_engine_run_backward", wrap)
-    else:  # pragma: no cover - torch < 2.3
-        patcher.wrap(torch.autograd, "backward", wrap)
+    name = "_engine_run_backward" if callable(getattr(torch.autograd, "_engine_run_backward", None)) else "backward"
+
+    def wrap_backward() -> Any:
+        # The wrapper reads only the module's state when called: kept from watch to watch.
+        with patcher.reusing(("autosteps", is_compiling, current_node)):
+            return patcher.wrap(torch.autograd, name, wrap)
+
+    # Put in by arm() while a run looks at backward passes, taken out once none does (_follow_backward).
+    armed.wrap_backward, armed.patcher = wrap_backward, patcher
+    _follow_backward(armed)

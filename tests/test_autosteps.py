@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -178,6 +179,66 @@ def test_the_optimizer_post_hook_is_registered_only_while_a_run_is_armed() -> No
         train(run, mark=True)  # the first marked step's backward pass disarms the run
     assert run.report.steps == 3 and seen == [0, 0, 0]
     assert _ours(_post_hooks()) == 0
+
+
+def _backward_wrapped() -> bool:
+    return getattr(torch.autograd._engine_run_backward, "__wrapped__", None) is not None
+
+
+def test_the_backward_wrapper_is_in_only_while_a_run_looks_at_backward_passes() -> None:
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+
+    def train(run: object, mark: bool, optimizer: bool = True) -> None:
+        for x, y in batches(3):
+            with run.step() if mark else contextlib.nullcontext():  # type: ignore[attr-defined]
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                if optimizer:
+                    opt.step()
+                opt.zero_grad()
+            seen.append(_backward_wrapped())
+
+    with watch() as run:
+        assert _backward_wrapped()  # armed: the first backward pass may begin the first step
+        train(run, mark=True)  # the first marked step's backward pass disarms the run: the wrapper goes
+    assert run.report.steps == 3 and seen == [False, False, False]
+    assert not _backward_wrapped()
+    seen.clear()
+    with watch() as run:
+        assert _backward_wrapped()  # armed again
+        train(run, mark=False)  # steps found at optimizer steps: backward passes no longer matter
+    assert run.report.steps == 3 and run.report.steps_found == "found at optimizer.step()"
+    assert seen == [False, False, False]
+    seen.clear()
+    with watch() as run:
+        train(run, mark=False, optimizer=False)  # no optimizer: every backward pass begins a step
+    assert run.report.steps == 3 and run.report.steps_found == "found at backward()"
+    assert seen == [True, True, True]
+    assert not _backward_wrapped()
+
+
+def test_a_backward_wrapper_patched_over_stays_until_the_watch_ends() -> None:
+    from pytest_torchperf.patching import Patcher
+
+    model = torch.nn.Linear(8, 1)
+    calls = []
+    other = Patcher()
+    with watch() as run:
+        # Something patched over torchperf's wrapper: taking it out now would leave it inside the other.
+        def counting(original: Any) -> Any:
+            return lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+
+        other.wrap(torch.autograd, "_engine_run_backward", counting)
+        try:
+            for x, y in batches(3):
+                with run.step():
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+        finally:
+            other.undo()
+        assert _backward_wrapped()  # still in, returning at once: the run is disarmed
+    assert calls == [1, 1, 1] and run.report.steps == 3
+    assert not _backward_wrapped()
 
 
 def test_a_run_disarmed_while_torch_calls_the_post_hooks_keeps_the_hook_until_the_watch_ends() -> None:
