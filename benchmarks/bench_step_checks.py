@@ -44,12 +44,13 @@ Every step moves its batch with ``.to(device)``, as a real loop does.
   the defaults plus it (``--invariants defaults,no_graph_retention``).
 - ``F``  (with ``--floor``) unwatched, but every place the default watch hooks
   into on these steps taken by a Python function that does nothing else:
-  ``Tensor.to``, ``torch.autograd._engine_run_backward``, and each step in a
-  ``with`` block whose ``__enter__`` reads the three debug switches
+  ``Tensor.to`` (and ``Tensor.item``, for Adam's host step counters), and each
+  step in a ``with`` block whose ``__enter__`` reads the three debug switches
   ``no_debug_modes`` polls. What any design of Python hooks at these points pays
   before it checks anything: the floor under ``B`` on this machine. (Until the
   watch stopped calling optimizer hooks on a marked step, ``F`` had a global
-  optimizer pre-hook and post-hook too.)
+  optimizer pre-hook and post-hook too; until it took its backward wrapper out
+  once the steps are marked, a wrapper of ``torch.autograd._engine_run_backward``.)
 
 ``--against PATH`` runs the same rounds in a second process on another checkout
 of the package (the previous release: ``git archive <commit> | tar -x -C PATH``),
@@ -262,25 +263,24 @@ def floor_hooks() -> Callable[[], None]:
     import torch
 
     tensor = torch.Tensor
-    saved_to = vars(tensor).get("to")
-    original_to = tensor.to
-    original_backward = torch.autograd._engine_run_backward
+    saved = {name: vars(tensor).get(name) for name in ("to", "item")}
+    original_to, original_item = tensor.to, tensor.item
 
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
         return original_to(self, *args, **kwargs)
 
-    def run_backward(*args: Any, **kwargs: Any) -> Any:
-        return original_backward(*args, **kwargs)
+    def item(self: Any) -> Any:
+        return original_item(self)
 
     tensor.to = to  # type: ignore[method-assign]
-    torch.autograd._engine_run_backward = run_backward
+    tensor.item = item  # type: ignore[method-assign]
 
     def undo() -> None:
-        torch.autograd._engine_run_backward = original_backward
-        if saved_to is None:
-            del tensor.to
-        else:
-            tensor.to = saved_to  # type: ignore[method-assign]
+        for name, value in saved.items():
+            if value is None:
+                delattr(tensor, name)
+            else:
+                setattr(tensor, name, value)
 
     return undo
 

@@ -6,6 +6,13 @@ inside ``pytest_torchperf.watch()`` (B). Reported: median seconds per fit, the
 median and the spread (25th-75th percentile) of the per-round ratios B/A and
 A'/A. The first round is a warm-up and is dropped.
 
+Each timed variant also counts the garbage collector's work during it (collections,
+full ones apart, and the time they took): reported as means, since a full
+collection, hundreds of milliseconds in a process with torch and Lightning
+loaded, comes once in many fits, and what a watch keeps alive brings the next
+one sooner. The mean fit times, collections included, are reported beside the
+medians.
+
 Besides the whole fits, each round times the costs a watch adds apart:
 
 - ``W``: ``with watch(): pass``: installing and removing the default probes,
@@ -90,14 +97,48 @@ def quantiles(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
+class GcTally:
+    """The garbage collector's work while :attr:`on`: collections by generation, and seconds collecting."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.counts = [0, 0, 0]
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.counts[min(info.get("generation", 0), 2)] += 1
+            self.seconds += time.perf_counter() - self._start
+
+    def start(self) -> None:
+        self.counts, self.seconds, self.on = [0, 0, 0], 0.0, True
+
+
 def round_runner(fit, clock: "Callable[[], float]" = time.perf_counter) -> "Callable[[int], dict[str, float]]":
-    """``one_round(r)``: every variant once, in an order rotated by ``r``; seconds per variant."""
+    """``one_round(r)``: every variant once, in an order rotated by ``r``; seconds per variant, and for each
+    ``gc_s:<variant>`` (seconds collecting garbage), ``gc_n:<variant>`` (collections) and ``gc_full:<variant>``
+    (full collections) during it."""
+    import gc
+
     from pytest_torchperf import watch
 
+    tally = GcTally()
+    gc.callbacks.append(tally)
+    gc_figures: dict[str, float] = {}
+
     def timed(fn) -> float:
+        tally.start()
         start = clock()
         fn()
-        return clock() - start
+        elapsed = clock() - start
+        tally.on = False
+        gc_figures.update(seconds=tally.seconds, count=sum(tally.counts), full=tally.counts[2])
+        return elapsed
 
     def watched(epochs: int) -> None:
         with watch():  # the default invariants
@@ -119,7 +160,12 @@ def round_runner(fit, clock: "Callable[[], float]" = time.perf_counter) -> "Call
 
     def one_round(r: int) -> dict[str, float]:
         shift = r % len(names)
-        return {name: variants[name]() for name in names[shift:] + names[:shift]}
+        out: dict[str, float] = {}
+        for name in names[shift:] + names[:shift]:
+            out[name] = variants[name]()
+            out[f"gc_s:{name}"], out[f"gc_n:{name}"] = gc_figures["seconds"], gc_figures["count"]
+            out[f"gc_full:{name}"] = gc_figures["full"]
+        return out
 
     return one_round
 
@@ -152,6 +198,16 @@ def report(label: str, times: dict[str, list[float]]) -> None:
     ):
         lo, med, hi = c[key]
         print(f"  {label}{text:34} median {med * 1000:7.1f} ms  (IQR {lo * 1000:.1f}-{hi * 1000:.1f})")
+    # The garbage collector, in means: a full collection (hundreds of ms with torch and Lightning loaded) comes
+    # once in many fits, and a median leaves it out; what a watch allocates brings it sooner.
+    if "gc_n:A" in times:
+        mean = statistics.fmean
+        a_mean, b_mean = mean(times["A"] + times["A'"]), mean(times["B"])
+        print(f"  {label}{'mean fit, GC included':34} unwatched {a_mean * 1000:.1f} ms, "
+              f"watched {b_mean * 1000:.1f} ms: {b_mean / a_mean:.3f}x")
+        for key, text in (("A", "GC in an unwatched fit"), ("B", "GC in a watched fit"), ("W", "GC in an empty watch")):
+            count, full, spent = (mean(times[f"{what}:{key}"]) for what in ("gc_n", "gc_full", "gc_s"))
+            print(f"  {label}{text:34} {count:5.2f} collections ({full:.2f} full), {spent * 1000:.2f} ms (mean)")
 
 
 def main() -> None:
