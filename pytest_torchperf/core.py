@@ -505,46 +505,52 @@ class _Step:
 
     def __enter__(self) -> Run:
         run = self.run
+        if run._step_depth or run._batch_depth or not run._active:
+            return self._enter_nested(run)
+        # The usual step (not nested, no batch open, the run active): step_started() and batch_started()
+        # inlined, one scope update, the fewest tests: this runs every step.
+        run.steps += 1
+        run.batches += 1
+        run._step_depth = run._batch_depth = 1
+        flags = FLAGS
+        if not flags.in_scope:  # a step puts its run in scope, whatever the scope option
+            if flags.listeners:
+                _set_in_scope(True)
+            else:
+                flags.in_scope = True
+        for read, hit, name in run._polls:  # run._poll(), inlined
+            try:
+                if read():
+                    hit()
+            except Exception as exc:  # noqa: BLE001 - see notify()
+                run.check_failed(name, exc)
+        if run._step_events[0]:
+            run._call(run._step_events[0])
+        return run
+
+    def _enter_nested(self, run: Run) -> Run:
+        """``__enter__`` of a step inside another one or inside an open batch (or of a run not active)."""
         if not run._active:
             raise RuntimeError("run.step() used outside its `with torchperf.watch()` block")
-        # step_started() and batch_started() inlined, one scope update: this runs every step.
-        depth = run._step_depth
-        if not depth:
-            run.steps += 1
-        run._step_depth = depth + 1
         if run._batch_depth == 0:
             run.batches += 1
         run._batch_depth = 1
-        if not FLAGS.in_scope:  # a step puts its run in scope, whatever the scope option
-            if FLAGS.listeners:
-                _set_in_scope(True)
-            else:
-                FLAGS.in_scope = True
-        if not depth:
-            for read, hit, name in run._polls:  # run._poll(), inlined
-                try:
-                    if read():
-                        hit()
-                except Exception as exc:  # noqa: BLE001 - see notify()
-                    run.check_failed(name, exc)
-            if run._step_events[0]:
-                run._call(run._step_events[0])
+        run.step_started()
         return run
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         run = self.run
-        run._batch_depth = 0
-        depth = run._step_depth - 1
-        run._step_depth = depth if depth > 0 else 0
-        if len(_ACTIVE) == 1 and _ACTIVE[0] is run:
-            # _refresh_scope() for the one run watching (the common case), inlined.
-            now = run._active and (depth > 0 or run._scope == "test")
-            if now is not FLAGS.in_scope:
-                if FLAGS.listeners:
-                    _set_in_scope(now)
+        if run._step_depth == 1 and run._scope != "test" and len(_ACTIVE) == 1 and _ACTIVE[0] is run:
+            # The usual step's end, the one run watching: _refresh_scope() inlined (out of scope now).
+            run._step_depth = run._batch_depth = 0
+            flags = FLAGS
+            if flags.in_scope:
+                if flags.listeners:
+                    _set_in_scope(False)
                 else:
-                    FLAGS.in_scope = now
-        else:
-            _refresh_scope()
-        if run._step_events[1] and depth == 0:
-            run._call(run._step_events[1])
+                    flags.in_scope = False
+            if run._step_events[1]:
+                run._call(run._step_events[1])
+            return
+        run._batch_depth = 0  # a step closes its batch: out of a "batch" scope too
+        run.step_ended()
