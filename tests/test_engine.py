@@ -224,3 +224,35 @@ def test_a_stopped_run_is_not_kept_alive_by_torchperf(tmp_path) -> None:  # type
         del run
     gc.collect()
     assert [ref() for ref in refs] == [None] * len(refs)
+
+
+def test_marked_steps_nested_inside_a_batch_or_alone_keep_the_scope_and_the_counts(polled: dict[str, bool]) -> None:
+    polled["on"] = True
+    with watch(polled=True) as run:
+        with run.step():
+            assert FLAGS.in_scope and run.in_step
+            with run.step():  # nested: not a new step, nor a new batch
+                assert FLAGS.in_scope
+            assert FLAGS.in_scope and run.in_step  # the outer step is still open
+        assert not FLAGS.in_scope and not run.in_step
+        run.batch_started()  # a framework's batch open: the step inside it is no new batch
+        with run.step():
+            assert FLAGS.in_scope
+        assert not FLAGS.in_scope and run._batch_depth == 0  # a step closes its batch
+        with run.step():
+            pass
+    assert (run.steps, run.batches) == (3, 3)
+    assert run.report.checks["polled"].summary == "on in 3 steps"  # read as each outer step began
+    with watch(scope="test") as run:
+        with run.step():
+            pass
+        assert FLAGS.in_scope  # scope="test": the whole block, steps or not
+    assert not FLAGS.in_scope and run.steps == 1
+    with watch() as outer:
+        with watch() as inner:
+            with outer.step():
+                assert FLAGS.in_scope
+            assert not FLAGS.in_scope  # two runs: the scope of both recomputed as the step ends
+            with inner.step():
+                pass
+    assert (outer.steps, inner.steps) == (1, 1)
