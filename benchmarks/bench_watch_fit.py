@@ -28,7 +28,13 @@ than wall time: on a machine shared with other work, the time the fit waited
 for a CPU is left out (with ``--workers 0`` only: the DataLoader's worker
 processes would be left out too). ``--smoke``: a tiny setting for CI.
 
+``--series K`` replaces the rounds by series: each round runs K one-epoch fits
+unwatched and K watched, one block after the other, and reports the mean fit
+of each side with its share of the garbage collector's work, full collections
+included (what a suite of watched tests pays, watch after watch, in one process).
+
     python benchmarks/bench_watch_fit.py [--rounds 15] [--workers 2] [--against /tmp/prev] [--clock cpu]
+    python benchmarks/bench_watch_fit.py --series 10 --rounds 20 --batches 16 --clock cpu --against /tmp/prev
 """
 
 from __future__ import annotations
@@ -170,6 +176,56 @@ def round_runner(fit, clock: "Callable[[], float]" = time.perf_counter) -> "Call
     return one_round
 
 
+def series_runner(fit, k: int, clock: "Callable[[], float]" = time.perf_counter) -> "Callable[[int], dict[str, float]]":
+    """``--series K``: ``one_round(r)`` runs ``k`` one-epoch fits unwatched (``SA``) and ``k`` watched (``SB``),
+    in an order alternating by round; the seconds of each block, and its garbage collector's work.
+
+    A test suite runs watch after watch in one process: what each leaves to the collector (the objects it
+    keeps alive while a fit's collections run) adds up to the next full collection of the whole heap, which
+    one interleaved round rarely sees. Here a block's mean per fit carries its share of them.
+    """
+    import gc
+
+    from pytest_torchperf import watch
+
+    tally = GcTally()
+    gc.callbacks.append(tally)
+
+    def watched() -> None:
+        with watch():
+            fit(1)
+
+    blocks = {"SA": lambda: fit(1), "SB": watched}
+
+    def one_round(r: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name in (("SA", "SB") if r % 2 == 0 else ("SB", "SA")):
+            tally.start()
+            start = clock()
+            for _ in range(k):
+                blocks[name]()
+            out[name] = (clock() - start) / k
+            tally.on = False
+            out[f"gc_s:{name}"], out[f"gc_n:{name}"] = tally.seconds / k, sum(tally.counts) / k
+            out[f"gc_full:{name}"] = tally.counts[2] / k
+        return out
+
+    return one_round
+
+
+def series_report(label: str, times: dict[str, list[float]], k: int) -> None:
+    mean = statistics.fmean
+    a, b = mean(times["SA"]), mean(times["SB"])
+    ratios = quantiles([sb / sa for sa, sb in zip(times["SA"], times["SB"])])
+    n = len(times["SA"]) * k
+    print(f"  {label}{'series of one-epoch fits':30} {n} unwatched, {n} watched: {a * 1000:.1f} ms and "
+          f"{b * 1000:.1f} ms a fit, {b / a:.3f}x (blocks of {k}: median {ratios[1]:.3f}x, "
+          f"IQR {ratios[0]:.3f}-{ratios[2]:.3f})")
+    for key, text in (("SA", "GC a fit, unwatched"), ("SB", "GC a fit, watched")):
+        count, full, spent = (mean(times[f"{what}:{key}"]) for what in ("gc_n", "gc_full", "gc_s"))
+        print(f"  {label}{text:30} {count:5.2f} collections ({full:.3f} full), {spent * 1000:.2f} ms")
+
+
 def costs(times: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
     """Per round: the ratios and the costs apart (seconds), each as (25th percentile, median, 75th)."""
     rounds = range(len(times["A"]))
@@ -219,11 +275,14 @@ def main() -> None:
     parser.add_argument("--against", metavar="PATH", help="also time another checkout of the package, interleaved")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                         help="time fits in wall time or in the thread's CPU time (with --workers 0)")
+    parser.add_argument("--series", type=int, default=0, metavar="K",
+                        help="instead of the rounds above: each round K one-epoch fits unwatched, then K watched")
     parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.batches = 2, 4
+        args.series = min(args.series, 2)
     if args.clock == "cpu" and args.workers:
         parser.error("--clock cpu times the main thread: it needs --workers 0 (the workers' processes would not count)")
 
@@ -237,9 +296,21 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     fit = build(args.workers, args.batches)
     if not args.worker:  # a worker's stdout is the protocol
-        print(f"tiny Lightning fit, 2 epochs x {args.batches} steps, num_workers={args.workers}, "
+        what = f"series of {args.series} one-epoch fits a side a round" if args.series else "2 epochs"
+        print(f"tiny Lightning fit, {what}, {args.batches} steps an epoch, num_workers={args.workers}, "
               f"threads={args.threads}, {args.rounds} rounds (+1 warm-up), {args.clock} clock, "
               f"torch {torch.__version__}")
+
+    def runner() -> "Callable[[int], dict[str, float]]":
+        if args.series:
+            return series_runner(fit, args.series, CLOCKS[args.clock])
+        return round_runner(fit, CLOCKS[args.clock])
+
+    def show(label: str, times: dict[str, list[float]]) -> None:
+        if args.series:
+            series_report(label, times, args.series)
+        else:
+            report(label, times)
     if args.worker:
         import sys
 
@@ -248,7 +319,7 @@ def main() -> None:
         import pytest_torchperf
 
         print(f"worker: {pytest_torchperf.__file__}", file=sys.stderr)
-        one_round = round_runner(fit, CLOCKS[args.clock])
+        one_round = runner()
         counter = [0]
 
         def served() -> dict[str, float]:
@@ -264,7 +335,7 @@ def main() -> None:
         from _against import Workers
 
         forwarded = ["--workers", str(args.workers), "--threads", str(args.threads), "--batches", str(args.batches),
-                     "--clock", args.clock]
+                     "--clock", args.clock, "--series", str(args.series)]
         workers = Workers(os.path.abspath(sys.argv[0]), forwarded, {"this": None, "other": args.against})
         by_label: dict[str, dict[str, list[float]]] = {}
         try:
@@ -278,16 +349,23 @@ def main() -> None:
             workers.close()
         print(f"this: the checkout the script is in; other: {args.against}; the two processes' rounds interleaved")
         for label in ("this", "other"):
-            report(f"{label:6}", by_label[label])
+            show(f"{label:6}", by_label[label])
         return
-    one_round = round_runner(fit, CLOCKS[args.clock])
+    one_round = runner()
     times: dict[str, list[float]] = {}
     for r in range(args.rounds + 1):
         out = one_round(r)
         if r:  # round 0 is the warm-up
             for name, value in out.items():
                 times.setdefault(name, []).append(value)
-    report("", times)
+    show("", times)
+    if args.smoke and not args.series:  # the series' code runs in the smoke run too
+        one_block = series_runner(fit, 1, CLOCKS[args.clock])
+        blocks: dict[str, list[float]] = {}
+        for r in range(2):
+            for name, value in one_block(r).items():
+                blocks.setdefault(name, []).append(value)
+        series_report("", blocks, 1)
 
 
 if __name__ == "__main__":
