@@ -7,7 +7,9 @@
 # PYTHON has none, by pip run from the wheel itself: about 2 CPU-seconds in all (3 from the wheel). The
 # first process that imports pip writes its bytecode cache (the scripts unset PYTHONDONTWRITEBYTECODE).
 set -euo pipefail
-python=$1
+# The interpreter itself, not a launcher in front of it: a pyenv shim runs `pyenv rehash` after every
+# `python -m pip`, and two environments built at once then race for its lock ("cannot rehash"), failing one.
+python=$("$1" -c 'import sys; print(sys.executable)')
 dir=$2
 "$python" -m venv --without-pip "$dir"
 wheel=$("$dir/bin/python" -c '
