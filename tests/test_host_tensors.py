@@ -310,6 +310,34 @@ def test_a_legacy_tensor_built_on_an_earlier_line_is_found_there(tmp_path: Path)
     assert event["moved_at"].endswith(f"legacy_lines.py:{lineno}")
 
 
+def test_a_legacy_tensor_built_from_data_on_an_earlier_line_and_moved_by_name_is_caught(tmp_path: Path) -> None:
+    """No initializer between the two lines registers it: the move of the named tensor is what finds the
+    constructor, in the statement that assigned that name before (so a move cannot skip reading its line
+    because its tensor is bound to a name, as every batch is)."""
+    module, lineno = write_module(
+        tmp_path,
+        "legacy_named",
+        """
+        import torch
+
+        def train(watch, model, batches):
+            with watch() as run:
+                for x, y in batches:
+                    with run.step():
+                        out = model(x)
+                        rows = torch.Tensor([[0.5]] * 4)
+                        rows = rows.to(out.device)  # HERE
+            return run
+        """,
+    )
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(3))
+    assert report["on_device"].status == "failed", report["on_device"].summary
+    (event,) = user_events(report)
+    assert event["factory"] == "torch.Tensor"
+    assert event["created_at"].endswith(f"legacy_named.py:{lineno - 1}")
+    assert event["moved_at"].endswith(f"legacy_named.py:{lineno}")
+
+
 # -- explicit host targets -------------------------------------------------------------------------
 
 
