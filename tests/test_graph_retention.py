@@ -8,6 +8,7 @@ known), and once through pytester under the marker.
 from __future__ import annotations
 
 import json
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from seed_tips_models import QUIET, trainer
 from step_check_helpers import write_module
 
-from pytest_torchperf import InvariantViolation, UsageError, watch
+from pytest_torchperf import Check, Invariant, InvariantViolation, UsageError, register, unregister, watch
 from pytest_torchperf.probes.graphs import PROBE as GRAPHS
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, CheckResult
 
@@ -723,3 +724,35 @@ def test_bad_arguments_name_themselves(kwargs: dict[str, Any], message: str) -> 
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         with watch(**kwargs):
             pass
+
+
+class _Preempted(Check):
+    """Receives the sampled backward passes; the first one waits as if the process had lost its core."""
+
+    waited = False
+
+    def on_backward_sample(self, roots: Any) -> None:
+        if not _Preempted.waited:
+            _Preempted.waited = True
+            time.sleep(0.05)  # wall time passes, this thread's CPU time does not
+
+    def result(self) -> CheckResult:
+        return CheckResult(self.name, "passed", "")
+
+
+def test_a_sampled_pass_preempted_for_a_while_does_not_stop_the_sampling() -> None:
+    """The cadence counts a walk's cost in CPU time: counted in wall time, a walk that waited 50 ms for a core
+    put the next one 10 s away, past the whole run."""
+    _Preempted.waited = False
+    register(Invariant(name="preempted_walks", doc="x", check=_Preempted, probes=("graphs",)))
+    try:
+        model = torch.nn.Linear(4, 1)
+        with watch(preempted_walks=True, **QUIET) as run:
+            deadline = time.perf_counter() + 0.3
+            while time.perf_counter() < deadline:  # 0.3 s of steps: a walk of a few microseconds is due often
+                with run.step():
+                    model(torch.randn(2, 4)).pow(2).mean().backward()
+            samples = GRAPHS.samples
+    finally:
+        unregister("preempted_walks")
+    assert _Preempted.waited and samples >= 3
