@@ -137,3 +137,30 @@ def group(tmp_path: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def _global_hooks() -> dict[str, list[int]]:
+    """What torch's process-wide hook registries and the garbage collector's callbacks hold now."""
+    import gc
+
+    held = {"gc.callbacks": [id(fn) for fn in gc.callbacks]}
+    if torch is None:
+        return held
+    import torch.nn.modules.module as module
+    import torch.optim.optimizer as optimizer
+
+    for owner in (module, optimizer):
+        for name, registry_ in vars(owner).items():
+            if name.startswith("_global_") and name.endswith("hooks") and isinstance(registry_, dict):
+                held[f"{owner.__name__}.{name}"] = list(registry_)
+    return held
+
+
+@pytest.fixture(autouse=True)
+def _no_global_hook_left() -> Iterator[None]:
+    """Every test leaves torch's global hooks as it found them: a watch's hooks go with it, on every path."""
+    before = _global_hooks()
+    yield
+    after = _global_hooks()
+    left = {name: len(after[name]) - len(before.get(name, ())) for name in after if after[name] != before.get(name)}
+    assert not left, f"global hooks left registered after the test: {left}"

@@ -12,7 +12,12 @@ pass of a run is sampled, then the next sampled one is the first to come after
 ``cost / BUDGET`` seconds, ``cost`` being what the last sampled one cost the
 checks (they walk the graph). The checks' work is thus at most about
 ``BUDGET`` (0.5%) of the run's time, whether a step takes 200 us or 2 s; the
-unsampled calls pay a clock read and a comparison. Passes started by the
+unsampled calls pay a clock read and a comparison. A sample's cost is the CPU
+time the checks took, less the garbage collections run meanwhile (180-260 ms in
+a process with torch and Lightning loaded), and one far above the run's usual
+cost counts at most ``SPIKE`` times that: counted whole, a collection, a cold
+cache or the core lost for a while on a busy machine put the next sample 200
+times that far away, past the rest of most runs. Passes started by the
 autograd engine itself (reentrant checkpointing) are never sampled.
 
 In the steps whose backward pass is due to be sampled, a check may also see every
@@ -37,6 +42,8 @@ invariant, to name the line that built what is retained.
 
 from __future__ import annotations
 
+import gc
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -53,6 +60,8 @@ __all__ = ["GraphsProbe", "PROBE", "roots_of"]
 
 #: The share of the run's time the sampled graph walks may take.
 BUDGET = 0.005
+#: A sample's cost sets the next one's distance up to this many times the mean cost of the run's samples so far.
+SPIKE = 4.0
 
 
 def roots_of(outputs: Any) -> tuple[Any, ...]:
@@ -76,7 +85,14 @@ class GraphsProbe(Probe):
 
     def __init__(self) -> None:
         super().__init__()
+        #: Callbacks given each module output while armed (see :meth:`arm_forward`), and the hook's handle:
+        #: not part of :meth:`reset`, which runs before the deferred :meth:`_remove_forward_hook` when the probe
+        #: is taken out mid-run (a handle dropped there left the global hook registered for good).
+        self._forward_callbacks: list[Callable[[Any], None]] = []
+        self._forward_hook: Any = None
         self.reset()
+        #: The garbage collector's callback, one object for every watch of the process (see :meth:`_collected`).
+        self._on_gc = self._collected
 
     def reset(self) -> None:
         super().reset()
@@ -97,11 +113,19 @@ class GraphsProbe(Probe):
         self._unhook = False
         self._current_node: Callable[[], Any] = lambda: None
         self._no_subclass_code: Any = None
-        #: Callbacks given each module output while armed (see :meth:`arm_forward`), and the hook's handle.
-        self._forward_callbacks: list[Callable[[Any], None]] = []
-        self._forward_hook: Any = None
-        #: Seconds the armed module output callbacks took since the last sample (added to its cost).
+        #: Seconds the armed module output callbacks took since the last sample (added to its cost), and this
+        #: thread's CPU time when the last sample ended or the callbacks were armed: the callbacks cannot have
+        #: taken more CPU time than has passed since, however long they waited for a core.
         self.forward_seconds = 0.0
+        self.forward_cpu = 0.0
+        #: The garbage collections run in the watch's thread: their CPU and wall seconds (left out of a
+        #: sample's cost), and the clocks at the start of the one under way.
+        self.gc_cpu = 0.0
+        self.gc_wall = 0.0
+        self._gc_start = (0.0, 0.0)
+        self._thread = 0
+        #: Installed and not taken out: only then may a check's call register a global hook here.
+        self._live = False
 
     def install(self, patcher: "Patcher") -> None:
         """Wrap the backward entry point; undone by ``patcher``."""
@@ -110,6 +134,10 @@ class GraphsProbe(Probe):
 
         self.reset()
         patcher.callback(self.reset)
+        self._thread = threading.get_ident()
+        self._live = True
+        gc.callbacks.append(self._on_gc)
+        patcher.callback(self._remove_gc_callback)
         patcher.callback(self._remove_hook)
         patcher.callback(self._remove_forward_hook, deferred=True)
         patcher.callback(self.stop_tracing)  # undone first: anomaly mode back before the state is cleared
@@ -155,21 +183,34 @@ class GraphsProbe(Probe):
             roots = roots_of(outputs)
         if not roots:
             return
-        # The walk's cost in this thread's CPU time: on a machine shared with other work, a walk preempted for
-        # a while cost no more, and counted in wall time it stopped the sampling for 200 times that while (a
-        # run of 400 fast steps then walked its first backward pass only, and missed a leak that began later).
+        # The walk's cost in this thread's CPU time, collections left out: on a machine shared with other work, a
+        # walk preempted for a while cost no more, and counted in wall time it stopped the sampling for 200 times
+        # that while (a run of 400 fast steps then walked its first backward pass only, and missed a leak that
+        # began later). A cost far above the usual one (1 ms against 0.05 ms, now and then, in a long test
+        # process) sets the next sample at most SPIKE times the usual cost away; a cost that grows with the graph
+        # is followed.
         cpu = thread_time()
+        collected = self.gc_cpu
         core.notify("on_backward_sample", roots)
         end = perf_counter()
-        cost = thread_time() - cpu + self.forward_seconds
+        now = thread_time()
+        forward = min(self.forward_seconds, max(cpu - self.forward_cpu, 0.0))
+        cost = now - cpu - (self.gc_cpu - collected) + forward
         self.forward_seconds = 0.0
+        self.forward_cpu = now
+        if self.samples:
+            cost_paced = min(cost, SPIKE * self.sample_seconds / self.samples)
+        else:
+            cost_paced = cost
         self.samples += 1
         self.sample_seconds += cost
-        self.next_due = end + cost / BUDGET
+        self.next_due = end + cost_paced / BUDGET
 
     # -- module outputs ------------------------------------------------------------------
     def arm_forward(self, callback: Callable[[Any], None]) -> None:
         """Give ``callback`` every module's output from now on, until :meth:`disarm_forward`."""
+        if not self._live or self.disabled:
+            return  # taken out (a failure of its own) or not installed: nothing would remove the hook
         if callback not in self._forward_callbacks:
             self._forward_callbacks.append(callback)
         if self._forward_hook is not None:
@@ -186,13 +227,17 @@ class GraphsProbe(Probe):
             if is_compiling():
                 return
             start = perf_counter()
+            collected = probe.gc_wall
             try:
                 for fn in list(callbacks):
                     fn(output)
             except Exception as exc:  # noqa: BLE001 - never into the user's code
                 probe.failed(exc)
-            probe.forward_seconds += perf_counter() - start  # counted in the budget at the next sample
+            # Counted in the budget at the next sample (wall time: a CPU clock read costs ten times more, and
+            # the sample bounds it by the CPU time that has passed).
+            probe.forward_seconds += perf_counter() - start - (probe.gc_wall - collected)
 
+        self.forward_cpu = thread_time()
         self._forward_hook = register_module_forward_hook(forward_hook)
 
     def disarm_forward(self, callback: Callable[[Any], None]) -> None:
@@ -207,6 +252,23 @@ class GraphsProbe(Probe):
             hook.remove()
         self._forward_callbacks.clear()
 
+    def _collected(self, phase: str, info: dict[str, int]) -> None:
+        """``gc.callbacks``' entry while a watch is on: the collections in the watch's thread, timed."""
+        if threading.get_ident() != self._thread:
+            return
+        if phase == "start":
+            self._gc_start = (thread_time(), perf_counter())
+        else:
+            cpu, wall = self._gc_start
+            self.gc_cpu += thread_time() - cpu
+            self.gc_wall += perf_counter() - wall
+
+    def _remove_gc_callback(self) -> None:
+        try:
+            gc.callbacks.remove(self._on_gc)
+        except ValueError:  # pragma: no cover - taken out by someone else
+            pass
+
     def due(self) -> bool:
         """Whether the next backward pass will be sampled (so a step starting now is a sampled one)."""
         return perf_counter() >= self.next_due
@@ -214,6 +276,8 @@ class GraphsProbe(Probe):
     # -- optimizer steps -----------------------------------------------------------------
     def await_optimizer_step(self) -> None:
         """Count the next optimizer step in :attr:`optimizer_steps` (and remember its optimizer)."""
+        if not self._live or self.disabled:
+            return  # taken out (a failure of its own) or not installed: nothing would remove the hook
         self._armed = True
         self._unhook = False
         if self._hook is not None:
