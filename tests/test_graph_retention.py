@@ -741,7 +741,7 @@ class _Preempted(Check):
         if not _Preempted.waited:
             _Preempted.waited = True
             if _Preempted.collect:
-                gc.collect()  # CPU time, tens of milliseconds with torch loaded, none of it the walk's
+                gc.collect()  # CPU time, 0.2-0.3 s with torch loaded, none of it the walk's
             else:
                 time.sleep(0.05)  # wall time passes, this thread's CPU time does not
 
@@ -789,8 +789,9 @@ def test_a_collection_in_a_sampled_pass_does_not_stop_the_sampling() -> None:
 
 
 def test_a_module_output_callback_preempted_for_a_while_does_not_stop_the_sampling() -> None:
-    """The armed module output callbacks are counted in CPU time too: in wall time, one that lost its core for
-    50 ms (as a busy CI machine does) put the next sampled pass 10 s away."""
+    """The armed module output callbacks' time is bounded by the thread's CPU time since they were armed:
+    counted whole, one that lost its core for 50 ms (as on a busy CI machine) put the next sampled pass 10 s
+    away."""
     waited: list[bool] = []
 
     def preempted(output: Any) -> None:
