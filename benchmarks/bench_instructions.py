@@ -113,7 +113,7 @@ def _inner(args: argparse.Namespace) -> int:
         def plain_steps():  # type: ignore[no-untyped-def]
             # The step's loss is dropped at once, as in a watched step: kept in the block's list, it held
             # its graph's nodes (freed uncounted, after the block) and the parameters' grad accumulators
-            # (built anew every step once that graph is gone), about 10 k instructions a step that only
+            # (built anew every step once that graph is gone): 7-30 k instructions a step that only
             # the watched variants paid.
             while True:
                 step()
