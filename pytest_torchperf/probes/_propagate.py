@@ -39,9 +39,10 @@ per line, then cached); a receiver chain that starts at ``torch.<Legacy>Tensor(.
 (or ``Tensor(...)``, ``th.FloatTensor(...)``: the name is looked up in the frame),
 in the same statement or assigned to that name earlier in the same function,
 makes it a host tensor built in the step. ``.cuda()`` and ``.type_as()`` of an
-unknown tensor read the source at the move the same way. A legacy constructor
-given data (``torch.LongTensor([1, 2]).to(dev)``) is not followed: finding it at
-``.to()`` would read the caller's frame on every move of every batch.
+unknown tensor read the source at the move the same way, and so does ``.to()``
+of a fresh tensor in a step, for a legacy constructor given data
+(``torch.LongTensor([1, 2]).to(dev)``): a batch's move reads its caller's frame,
+and the line is parsed once and then known by its instruction offset.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
 
 # -- the legacy constructors, read from the source -------------------------------------------
 
-#: Moves whose source is read for a legacy constructor (``.to()`` is not: it is on every batch's path).
+#: Moves whose source is read for a legacy constructor (``.to()`` of a fresh tensor in a step, once a line).
 MOVES = frozenset(("to", "cuda", "type_as"))
 #: In-place initialisers: the first write of a legacy constructor's uninitialised memory.
 INITIALIZERS = (
