@@ -1,0 +1,216 @@
+"""The plugin's Python bytecodes a training step runs: the count that predicts a watched step's time.
+
+On the op-bound steps of ``bench_step_checks.py`` the defaults' cost in time follows the number of the
+plugin's bytecodes a step runs, not its instruction count: between torch's kernels the interpreter's
+dispatch of each one runs cold (an indirect branch mispredicted, the instruction cache missed), 20-25 ns
+a bytecode on a 2-core virtual machine where the quiet SGD step takes 185 us (``docs/cost.md``, the ninth
+pass). The count is exact and the same from run to run: it shows a change of a few bytecodes a step that
+no clock on a shared machine resolves.
+
+Counted with ``sys.settrace`` (opcode events) in the frames of the package's own code, and for ``F`` of
+the floor's hooks, over ``--steps`` steps after ``--warm`` uncounted ones, on each op-bound workload:
+
+- ``F``  do-nothing hooks where the default watch hooks in (``bench_step_checks.py --floor``);
+- ``S``  the two step checks, every step marked ``with run.step():``;
+- ``B``  the default invariants, every step marked;
+- ``C``  the default watch with no step marked (its steps found at ``optimizer.step()``);
+- ``I``  (with ``--invariants``, as in ``bench_step_checks.py``) exactly those invariants, every step marked.
+
+``--by-function`` lists where each variant's bytecodes are. ``--against PATH`` counts another checkout
+of the package (the previous release) in a process of its own. On CPython 3.11, where ``CEILINGS`` were
+counted, the exit status is 1 when ``B`` runs more bytecodes a step than its ceiling (this release's
+count and a margin of 5%): a guard that a change did not make the watched step slower. Other versions
+compile to other bytecodes; there the counts are reported only.
+
+    python benchmarks/bench_bytecodes.py [--workload op-bound] [--by-function] [--against /tmp/prev]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+from types import CodeType, FrameType
+from typing import Any, Callable, Iterator, Optional
+
+WORKLOADS = ("op-bound-sgd", "op-bound-adam", "op-bound-residual")
+VARIANTS = ("F", "S", "B", "C")
+#: ``B``'s bytecodes a step on CPython 3.11, this release's count and 5% (``docs/cost.md``).
+CEILINGS = {"op-bound-sgd": 270, "op-bound-adam": 620, "op-bound-residual": 270}
+
+
+class Counter:
+    """Counts the bytecodes run in the frames of chosen code (``sys.settrace``, opcode events)."""
+
+    def __init__(self, folder: str, extra: "set[CodeType]") -> None:
+        self.folder, self.extra = folder, extra
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def _mine(self, code: CodeType) -> bool:
+        return code in self.extra or code.co_filename.startswith(self.folder)
+
+    def _trace(self, frame: FrameType, event: str, arg: Any) -> Optional[Callable[..., Any]]:
+        if not self._mine(frame.f_code):
+            return None
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            code = frame.f_code
+            name = getattr(code, "co_qualname", code.co_name)
+            self.counts[f"{os.path.basename(code.co_filename)}:{name}"] += 1
+        return self._trace
+
+    def count(self, steps: Iterator[None], n: int) -> "collections.Counter[str]":
+        self.counts = collections.Counter()
+        sys.settrace(self._trace)
+        try:
+            for _ in range(n):
+                next(steps)
+        finally:
+            sys.settrace(None)
+        return self.counts
+
+
+def floor_codes(bench: Any) -> "set[CodeType]":
+    """The code of the floor's hooks in ``bench_step_checks.py``: its ``with`` block and its two wrappers."""
+    floor_step = bench._FloorStep
+    codes = {floor_step.step.__code__, floor_step.__enter__.__code__, floor_step.__exit__.__code__}
+    hooks = bench.floor_hooks.__code__.co_consts
+    codes.update(c for c in hooks if isinstance(c, CodeType) and c.co_name in ("to", "item"))
+    return codes
+
+
+def measure(workloads: "list[str]", steps: int, warm: int, invariants: Any) -> "dict[str, dict[str, dict[str, int]]]":
+    """``{workload: {variant: {function: bytecodes over the counted steps}}}``."""
+    import bench_step_checks as bench
+    import torch
+
+    import pytest_torchperf
+    from pytest_torchperf import watch
+    from pytest_torchperf.options import Options
+
+    torch.set_num_threads(1)
+    counter = Counter(os.path.dirname(os.path.abspath(pytest_torchperf.__file__)) + os.sep, floor_codes(bench))
+    # The variants of bench_step_checks.py: S turns off every default but the two step checks.
+    defaults = Options().enabled_checks
+    step_checks = {name: False for name in defaults if name not in ("no_host_sync", "on_device")}
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for kind in workloads:
+        step, _ = bench.build(kind)
+        for _ in range(60):
+            step()
+
+        def marked(run: Any) -> Iterator[None]:
+            while True:
+                with run.step():
+                    step()
+                yield
+
+        def unmarked() -> Iterator[None]:
+            while True:
+                step()
+                yield
+
+        def counted(steps_: Iterator[None]) -> dict[str, int]:
+            for _ in range(warm):
+                next(steps_)
+            return dict(counter.count(steps_, steps))
+
+        results: dict[str, dict[str, int]] = {}
+        undo = bench.floor_hooks()
+        try:
+            results["F"] = counted(marked(bench._FloorStep()))
+        finally:
+            undo()
+        with watch(**step_checks) as run:
+            results["S"] = counted(marked(run))
+        with watch() as run:
+            results["B"] = counted(marked(run))
+        with watch():
+            results["C"] = counted(unmarked())
+        if invariants is not None:
+            with watch(**invariants) as run:
+                results["I"] = counted(marked(run))
+        out[kind] = results
+    return out
+
+
+def show(label: str, counts: "dict[str, dict[str, dict[str, int]]]", steps: int, by_function: bool) -> None:
+    names = [v for v in (*VARIANTS, "I") if any(v in per for per in counts.values())]
+    print(f"{label}: the plugin's bytecodes a step")
+    print(f"  {'workload':<20}" + "".join(f"{v:>8}" for v in names))
+    for kind, per in counts.items():
+        print(f"  {kind:<20}" + "".join(f"{sum(per[v].values()) / steps:>8.0f}" for v in names if v in per))
+    if not by_function:
+        return
+    for kind, per in counts.items():
+        for variant in names:
+            if variant not in per:
+                continue
+            top = sorted(per[variant].items(), key=lambda item: -item[1])[:8]
+            cells = ", ".join(f"{name} {value / steps:.0f}" for name, value in top)
+            print(f"  {kind} {variant}: {cells}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=("op-bound", *WORKLOADS), default="op-bound")
+    parser.add_argument("--steps", type=int, default=20, help="counted steps a variant (default 20)")
+    parser.add_argument("--warm", type=int, default=10, help="uncounted steps first (default 10)")
+    parser.add_argument(
+        "--invariants",
+        help="variant I: exactly these invariants (name or name=value, comma-separated; 'defaults': the defaults)",
+    )
+    parser.add_argument("--by-function", action="store_true", help="where each variant's bytecodes are")
+    parser.add_argument("--against", metavar="PATH", help="also count another checkout of the package")
+    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps < 1 or args.warm < 0:
+        parser.error("--steps must be at least 1 and --warm at least 0")
+    if args.smoke:
+        args.steps, args.warm = 5, 5
+    workloads = list(WORKLOADS) if args.workload == "op-bound" else [args.workload]
+    invariants = None
+    if args.invariants:
+        from bench_step_checks import chosen_invariants
+
+        invariants = chosen_invariants(args.invariants)
+    counts = measure(workloads, args.steps, args.warm, invariants)
+    if args.json:
+        print(json.dumps(counts))
+        return 0
+    import torch
+
+    print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, {args.steps} steps counted after {args.warm}")
+    show("this", counts, args.steps, args.by_function)
+    if args.against:
+        forwarded = ["--workload", args.workload, "--steps", str(args.steps), "--warm", str(args.warm), "--json"]
+        if args.invariants:
+            forwarded += ["--invariants", args.invariants]
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.against) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        done = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *forwarded],
+            env=env, cwd=os.path.abspath(args.against), capture_output=True, text=True,
+        )
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return 1
+        show(f"other ({args.against})", json.loads(done.stdout.splitlines()[-1]), args.steps, args.by_function)
+    if sys.version_info[:2] != (3, 11):
+        print("(ceilings are for CPython 3.11: not checked here)")
+        return 0
+    over = [
+        f"{kind}: B {sum(per['B'].values()) / args.steps:.0f} > {CEILINGS[kind]}"
+        for kind, per in counts.items()
+        if sum(per["B"].values()) / args.steps > CEILINGS[kind]
+    ]
+    for line in over:
+        print(f"OVER the ceiling: {line}")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
