@@ -181,7 +181,8 @@ def events_page() -> str:
         "pairs, asked once when the run starts, and the run calls each `read()` as a step begins and "
         "`hit()` when it returned true. With torch's own C function as `read` "
         "(`torch.is_anomaly_enabled`), that costs a few hundred instructions a step. `no_debug_modes` "
-        "reads its switches this way.",
+        "reads its switches this way. The run calls the reads in one pass; a read only reads (at a step "
+        "where another check's read raised, the reads are called again one at a time).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -173,6 +173,30 @@ def test_a_poll_that_raises_makes_its_check_not_checked_and_the_steps_go_on(poll
     assert run.report.checks["no_host_sync"].status == "passed"
 
 
+class OtherPolled(Polled):
+    switch = {"on": False, "broken": False}
+
+
+def test_a_poll_that_raises_leaves_the_other_checks_polls_read_once_a_step(polled: dict[str, bool]) -> None:
+    # The reads run in one pass; when one raises, they are read again one at a time: the other check's
+    # switch still counts once a step, in marked steps as in a framework's.
+    OtherPolled.switch.update(on=True, broken=False)
+    register(Invariant(name="other_polled", doc="another switch read every step", check=OtherPolled))
+    try:
+        polled["broken"] = True
+        with watch(polled=True, other_polled=True) as run:
+            for _ in range(4):
+                with run.step():
+                    pass
+            run.step_started()
+            run.step_ended()
+    finally:
+        unregister("other_polled")
+    assert run.report.checks["polled"].status == "not checked"
+    other = run.report.checks["other_polled"]
+    assert (other.status, other.summary) == ("passed", "on in 5 steps")
+
+
 def test_steps_begun_by_a_framework_put_the_runs_in_scope_and_take_them_out(polled: dict[str, bool]) -> None:
     # ``step_started()`` / ``step_ended()`` are how Lightning's training_step and the automatic steps mark a
     # step: the scope of the one run watching is kept inline, that of several runs recomputed over them all.
