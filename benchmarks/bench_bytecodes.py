@@ -19,9 +19,10 @@ the unwatched step ``A``: the plugin's own code, and torch's Python code it call
 
 ``--by-function`` lists where each variant's bytecodes are. ``--against PATH`` counts another checkout
 of the package (the previous release) in a process of its own. On CPython 3.11, where ``CEILINGS`` were
-counted, the exit status is 1 when ``B`` runs more bytecodes a step than its ceiling (this release's
+counted, the exit status is 1 when ``B`` adds more bytecodes to a step than its ceiling (this release's
 count and a margin of 5%): a guard that a change did not make the watched step slower. Other versions
-compile to other bytecodes; there the counts are reported only.
+compile to other bytecodes; there the counts are reported only. ``--smoke`` counts 5 steps (the same
+count: each step runs the same bytecodes), and checks the ceilings too.
 
     python benchmarks/bench_bytecodes.py [--workload op-bound] [--by-function] [--against /tmp/prev]
 """
