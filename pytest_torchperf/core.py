@@ -364,7 +364,7 @@ class Run:
         return self._step_block
 
     def step_started(self) -> None:
-        # _refresh_scope() and _poll() inlined: this runs every step (Lightning's, automatic ones).
+        # _refresh_scope() inlined: this runs every step (Lightning's, automatic ones).
         depth = self._step_depth
         if not depth:
             self.steps += 1
@@ -377,25 +377,15 @@ class Run:
             else:
                 FLAGS.in_scope = True
         if not depth:
-            reads = self._poll_reads
-            if reads:
-                try:
-                    values = tuple(map(_call_read, reads))
-                except Exception:  # noqa: BLE001 - a read failed: read them one at a time
-                    self._poll_each()
-                else:
-                    if any(values):
-                        self._hits(values)
+            if self._poll_reads:
+                self._poll()
             if self._step_events[0]:
                 self._call(self._step_events[0])
 
     def _poll(self) -> None:
-        """Call every step poll's ``read()``, and its ``hit()`` where it returned true.
-
-        The reads run in one C-level pass (``map``): the defaults' three reads are 17 bytecodes a step
-        where a loop of one ``try`` a poll ran 36, and on the op-bound steps each bytecode is 20-25 ns
-        (``docs/cost.md``). Inlined in :meth:`step_started` and ``_Step.__enter__``.
-        """
+        """Every step poll's ``read()``, in one C-level pass (``map``: 17 bytecodes for the defaults' three reads,
+        36 in a loop of one ``try`` a read, 20-25 ns each on the op-bound steps), and ``hit()`` where it was true.
+        Inlined in ``_Step.__enter__``."""
         reads = self._poll_reads
         if not reads:
             return
