@@ -20,6 +20,14 @@ import sys
 from typing import Any, Callable, Iterator
 
 
+def checkout_env(root: "str | None", **extra: str) -> dict[str, str]:
+    """This process's environment for a process that imports the package from checkout ``root`` (None: this one)."""
+    env = dict(os.environ, **extra)
+    if root:
+        env["PYTHONPATH"] = os.path.abspath(root) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 def serve(one_round: Callable[[], Any]) -> None:
     """The worker's loop: one round per request, answered as one JSON line on stdout."""
     out = sys.stdout
@@ -37,12 +45,9 @@ class Workers:
     def __init__(self, script: str, args: list[str], roots: dict[str, "str | None"]) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
         for label, root in roots.items():
-            env = dict(os.environ)
-            if root:
-                env["PYTHONPATH"] = os.path.abspath(root) + os.pathsep + env.get("PYTHONPATH", "")
             self.procs[label] = subprocess.Popen(
                 [sys.executable, script, "--worker", *args],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=checkout_env(root),
                 cwd=os.path.abspath(root) if root else None,
             )
 

@@ -184,10 +184,11 @@ def main() -> int:
         forwarded = ["--workload", args.workload, "--steps", str(args.steps), "--warm", str(args.warm), "--json"]
         if args.invariants:
             forwarded += ["--invariants", args.invariants]
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.against) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        from _against import checkout_env
+
         done = subprocess.run(
             [sys.executable, os.path.abspath(__file__), *forwarded],
-            env=env, cwd=os.path.abspath(args.against), capture_output=True, text=True,
+            env=checkout_env(args.against), cwd=os.path.abspath(args.against), capture_output=True, text=True,
         )
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)

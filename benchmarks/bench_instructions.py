@@ -162,9 +162,9 @@ def _inner(args: argparse.Namespace) -> int:
 def count(root: "str | None", args: argparse.Namespace, helper: str, folder: str) -> dict[str, list[int]]:
     """Run the counted process on checkout ``root`` (None: this one); ``{label: [instructions per block]}``."""
     out = os.path.join(folder, "cg.%p")
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    if root:
-        env["PYTHONPATH"] = os.path.abspath(root) + os.pathsep + env.get("PYTHONPATH", "")
+    from _against import checkout_env
+
+    env = checkout_env(root, PYTHONHASHSEED="0")
     command = [
         "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
         sys.executable, os.path.abspath(__file__), "--inner", "--helper", helper,
