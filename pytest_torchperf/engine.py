@@ -182,7 +182,7 @@ class Engine:
                 run.internal_errors.setdefault("undo", f"{type(exc).__name__}: {exc}")
 
     def _install_probe(self, probe: Any, run: Run) -> None:
-        patcher = Patcher()
+        patcher = Patcher(contain=probe.failed)
         try:
             with patcher.reusing(probe if getattr(probe, "keeps_wrappers", False) else None):
                 probe.install(patcher)
