@@ -70,6 +70,11 @@ class Probe:
         self.unavailable = {}
         self.disabled = False
 
+    def forked(self) -> None:
+        """This process was forked while the probe was installed: the engine calls this in the child, before
+        anything else runs there, so that the probe's copy of its state serves the child's own runs (a
+        probe that remembers its thread, or a call in flight, sets them for the child here)."""
+
     def failed(self, exc: BaseException) -> None:
         """This probe's own code raised: record it and take the probe out (never raises)."""
         core.probe_failed(self.name, exc)
