@@ -48,7 +48,7 @@ class Probe:
     needs: tuple[str, ...] = ()
     #: Events this probe sends beyond :data:`pytest_torchperf.core.EVENTS` (name -> what a handler receives):
     #: the checks of the invariants that use the probe may define them.
-    events: "Mapping[str, str]" = {}
+    events: "Mapping[str, Any]" = {}
     #: :meth:`install` builds the same wrappers every time: closures over the probe and over state it keeps
     #: in place (read when called), nothing install reads once. The engine then keeps them for the next watch
     #: (:meth:`~pytest_torchperf.patching.Patcher.reusing`, scoped by the probe): a wrapper is built again
