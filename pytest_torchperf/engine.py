@@ -245,7 +245,7 @@ class Engine:
         exactly as a spawned rank's runs do. Never raises: a probe that cannot re-arm is taken out.
         """
         for name in list(self.installed):
-            probe = self.probes.get(name) if hasattr(self, "probes") else registry.probe(name)
+            probe = registry.probe(name)
             hook = getattr(probe, "forked", None)
             if hook is None:
                 continue
