@@ -40,8 +40,9 @@ from typing import Any, Callable, Iterator, Optional
 
 WORKLOADS = ("op-bound-sgd", "op-bound-adam", "op-bound-residual")
 VARIANTS = ("F", "S", "B", "C")
-#: What ``B`` may add to a step on CPython 3.11: this release's count and 5% (``docs/cost.md``).
-CEILINGS = {"op-bound-sgd": 255, "op-bound-adam": 618, "op-bound-residual": 255}
+#: What ``B`` may add to a step on CPython 3.11: the release's count and 5% (``docs/cost.md``), raised by
+#: under 10% for the engine's guard (one frame around every probe wrapper: 265 / 665 / 265 now).
+CEILINGS = {"op-bound-sgd": 278, "op-bound-adam": 679, "op-bound-residual": 278}
 
 
 class Counter:

@@ -15,6 +15,7 @@ attribute load each. Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from typing import Any, Callable, Iterator, Optional
 
@@ -29,6 +30,7 @@ else:  # pragma: no cover - Python 3.9 and 3.10
 
 __all__ = [
     "EVENTS",
+    "Events",
     "FLAGS",
     "Check",
     "Run",
@@ -40,41 +42,118 @@ __all__ = [
     "suspended",
 ]
 
-#: The events the built-in probes send, and what a check's method of that name receives.
+class Events:
+    """The events the built-in probes send: each a method whose signature is what a check's handler of that
+    name receives (checked when an invariant is registered) and whose docstring says when it is sent.
+    """
+
+    def on_trainer_call(self, kind: Any, trainer: Any, model: Any) -> None:
+        """a Lightning Trainer.fit/validate/test/predict call begins"""
+
+    def on_trainer_call_end(self, kind: Any, trainer: Any, model: Any) -> None:
+        """that call returned or raised"""
+
+    def on_step_start(self) -> None:
+        """a training step begins (a LightningModule.training_step, or `with run.step():`)"""
+
+    def on_step_end(self) -> None:
+        """that training step ended"""
+
+    def on_optimizer_step(self, optimizer: Any) -> None:
+        """an optimizer stepped (after its step)"""
+
+    def on_sync(self, event: Any) -> None:
+        """an operation that synchronises the host with the device, inside the scope"""
+
+    def on_move(self, event: Any) -> None:
+        """a host-built tensor (or, on an accelerator, any host tensor) moved to a device"""
+
+    def on_backward_sample(self, roots: Any) -> None:
+        """a sampled backward pass is about to run from these graph nodes (probe graphs)"""
+
+    def on_dataloader_pass(self, loader: Any) -> None:
+        """a pass (an epoch) over a DataLoader begins (probe iterators)"""
+
+    def on_worker_pool(self, kind: Any, loader: Any, stack: Any, how: Any) -> None:
+        """a worker pool started, an iterator dropped, a pool shut down"""
+
+    def on_empty_cache(self, stack: Any) -> None:
+        """torch.cuda.empty_cache() was called (probe cuda_cache)"""
+
+    def on_autocast(self, device: Any, dtype: Any) -> None:
+        """an enabled torch.autocast region was entered (probe autocast)"""
+
+    def on_zero_grad(self, owner: Any, stack: Any) -> None:
+        """zero_grad(set_to_none=False) was called (probe grads)"""
+
+    def on_grad_zeroed(self, shape: Any, stack: Any) -> None:
+        """a parameter's gradient was zeroed in place (probe grads)"""
+
+    def on_compile(self) -> None:
+        """torch.compile started compiling a frame (probe recompiles)"""
+
+    def on_recompile(self, code: Any, reasons: Any, stack: Any) -> None:
+        """dynamo recompiled a function, with the guards that failed"""
+
+    def on_recompile_limit(self, name: Any) -> None:
+        """dynamo hit its recompile limit (the name of the limit)"""
+
+    def on_data_parallel_forward(self, module: Any, stack: Any) -> None:
+        """a torch.nn.DataParallel forward pass (stack: a callable)"""
+
+    def on_ddp_forward(self, ddp: Any) -> None:
+        """a DistributedDataParallel forward pass (probe ddp)"""
+
+    def on_ddp_armed(self, reducer: Any) -> None:
+        """DDP's reducer was prepared for a backward: one all-reduce round armed"""
+
+    def on_dynamo_reset(self) -> None:
+        """torch._dynamo.reset() emptied dynamo's caches (probe recompiles)"""
+
+    def on_graph_break(self, event: Any) -> None:
+        """dynamo took a graph break while compiling (probe graph_breaks: a GraphBreak)"""
+
+    def on_run_end(self) -> None:
+        """the run stops, its probes still installed (read probe state here, not in result())"""
+
+    def on_framework_call(self, call: Any) -> None:
+        """another framework's training call began (frameworks._calls.FrameworkCall)"""
+
+    def on_batch_start(self) -> None:
+        """a Lightning train batch begins (only for runs with `wants_batches`, see Run)"""
+
+    def on_batch_end(self) -> None:
+        """that train batch ended"""
+
+    def on_collective(self, kind: Any, nbytes: Any, frame: Any) -> None:
+        """a torch.distributed collective was called (probe collectives)"""
+
+    def on_ddp_buffers(self, ddp: Any) -> None:
+        """DDP is about to broadcast its module buffers before a forward (probe collectives)"""
+
+    def on_fsdp_forward(self, group: Any) -> None:
+        """an FSDP2 parameter group ran its pre-forward (probe fsdp)"""
+
+    def on_fsdp_reduce(self, group: Any, reduces: Any) -> None:
+        """an FSDP2 parameter group's post-backward (reduces: it reduce-scatters)"""
+
+    def on_data_parallel_used(self, module: Any, function: Any, stack: Any) -> None:
+        """a torch.nn.DataParallel (subclass) driven through another method than DataParallel.forward
+        (mmcv's train_step): its .module read there (stack: a callable)"""
+
+    def on_data_parallel_created(self, module: Any) -> None:
+        """a torch.nn.DataParallel (subclass) was built while watched"""
+
+
+def _described(method: Callable[..., Any]) -> str:
+    """``"(a, b): what it means"``: an event as the reference page and error messages show it."""
+    params = list(inspect.signature(method).parameters)[1:]
+    return f"({', '.join(params)}): {' '.join((method.__doc__ or '').split())}"
+
+
+#: The events the built-in probes send, and what a check's method of that name receives (from :class:`Events`).
 EVENTS: dict[str, str] = {
-    "on_trainer_call": "(kind, trainer, model): a Lightning Trainer.fit/validate/test/predict call begins",
-    "on_trainer_call_end": "(kind, trainer, model): that call returned or raised",
-    "on_step_start": "(): a training step begins (a LightningModule.training_step, or `with run.step():`)",
-    "on_step_end": "(): that training step ended",
-    "on_optimizer_step": "(optimizer): an optimizer stepped (after its step)",
-    "on_sync": "(event): an operation that synchronises the host with the device, inside the scope",
-    "on_move": "(event): a host-built tensor (or, on an accelerator, any host tensor) moved to a device",
-    "on_backward_sample": "(roots): a sampled backward pass is about to run from these graph nodes (probe graphs)",
-    "on_dataloader_pass": "(loader): a pass (an epoch) over a DataLoader begins (probe iterators)",
-    "on_worker_pool": "(kind, loader, stack, how): a worker pool started, an iterator dropped, a pool shut down",
-    "on_empty_cache": "(stack): torch.cuda.empty_cache() was called (probe cuda_cache)",
-    "on_autocast": "(device, dtype): an enabled torch.autocast region was entered (probe autocast)",
-    "on_zero_grad": "(owner, stack): zero_grad(set_to_none=False) was called (probe grads)",
-    "on_grad_zeroed": "(shape, stack): a parameter's gradient was zeroed in place (probe grads)",
-    "on_compile": "(): torch.compile started compiling a frame (probe recompiles)",
-    "on_recompile": "(code, reasons, stack): dynamo recompiled a function, with the guards that failed",
-    "on_recompile_limit": "(name): dynamo hit its recompile limit (the name of the limit)",
-    "on_data_parallel_forward": "(module, stack): a torch.nn.DataParallel forward pass (stack: a callable)",
-    "on_ddp_forward": "(ddp): a DistributedDataParallel forward pass (probe ddp)",
-    "on_ddp_armed": "(reducer): DDP's reducer was prepared for a backward: one all-reduce round armed",
-    "on_dynamo_reset": "(): torch._dynamo.reset() emptied dynamo's caches (probe recompiles)",
-    "on_graph_break": "(event): dynamo took a graph break while compiling (probe graph_breaks: a GraphBreak)",
-    "on_run_end": "(): the run stops, its probes still installed (read probe state here, not in result())",
-    "on_framework_call": "(call): another framework's training call began (frameworks._calls.FrameworkCall)",
-    "on_batch_start": "(): a Lightning train batch begins (only for runs with `wants_batches`, see Run)",
-    "on_batch_end": "(): that train batch ended",
-    "on_collective": "(kind, nbytes, frame): a torch.distributed collective was called (probe collectives)",
-    "on_ddp_buffers": "(ddp): DDP is about to broadcast its module buffers before a forward (probe collectives)",
-    "on_fsdp_forward": "(group): an FSDP2 parameter group ran its pre-forward (probe fsdp)",
-    "on_fsdp_reduce": "(group, reduces): an FSDP2 parameter group's post-backward (reduces: it reduce-scatters)",
-    "on_data_parallel_used": "(module, function, stack): a torch.nn.DataParallel (subclass) driven through another "
-    "method than DataParallel.forward (mmcv's train_step): its .module read there (stack: a callable)",
-    "on_data_parallel_created": "(module): a torch.nn.DataParallel (subclass) was built while watched",
+    name: _described(method) for name, method in vars(Events).items() if name.startswith("on_")
 }
 
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Iterable
+import re
+from typing import Any, Callable, Iterable, Mapping, Union
 
 from .arguments import UsageError, suggest
-from .core import EVENTS
+from .core import EVENTS, Events
 
-__all__ = ["QUALIFIER", "handler_names", "make_settings", "settings_class", "validate_declaration"]
+__all__ = [
+    "QUALIFIER", "event_parameters", "handler_names", "make_settings", "settings_class", "validate_declaration",
+    "verify_handlers",
+]
 
 #: Joins an invariant's name and one of its settings' in the marker: ``no_host_sync__allowed_syncs``.
 QUALIFIER = "__"
@@ -35,18 +39,71 @@ def handler_names(cls: type) -> list[str]:
     ]
 
 
-def validate_declaration(invariant: Any, source: str, extra_events: Iterable[str] = ()) -> None:
-    """Refuse a check class with an ``on_*`` method that is no event, and a settings class that does not fit."""
+#: What a probe declares of an event it sends: its description (``"(a, b): what it means"``) or a function
+#: whose signature (after ``self``) is what a handler receives.
+EventDeclaration = Union[str, Callable[..., Any]]
+
+
+def event_parameters(declared: EventDeclaration) -> tuple[str, ...]:
+    """The arguments a handler of an event receives, from its declaration (see :data:`EventDeclaration`)."""
+    if callable(declared):
+        return tuple(list(inspect.signature(declared).parameters)[1:])
+    found = re.match(r"\s*\(([^)]*)\)", declared)
+    if found is None:
+        return ()
+    return tuple(p.strip() for p in found.group(1).split(",") if p.strip())
+
+
+def _events(extra: "Union[Mapping[str, EventDeclaration], Iterable[str]]") -> dict[str, tuple[str, ...]]:
+    """Every known event -> the arguments its handlers receive: :class:`~pytest_torchperf.core.Events`, then
+    the events a probe declares (a name alone, from an older probe, receives what a call passes: not checked)."""
+    known: dict[str, Any] = {name: event_parameters(getattr(Events, name)) for name in EVENTS}
+    items = extra.items() if isinstance(extra, Mapping) else ((name, None) for name in extra)
+    for name, declared in items:
+        if name not in known:
+            known[name] = None if declared is None else event_parameters(declared)
+    return known
+
+
+def verify_handlers(
+    cls: type, where: str, extra_events: "Union[Mapping[str, EventDeclaration], Iterable[str]]" = ()
+) -> None:
+    """Refuse a check class whose ``on_*`` method is no event, or does not take what its event sends.
+
+    As pluggy verifies a hook implementation against its specification: once, when the check's class is
+    registered (or, for a check made by a factory, when it is first made), never per event.
+    """
+    known = _events(extra_events)
+    for name in handler_names(cls):
+        if name not in known:
+            raise UsageError(
+                f"pytest-torchperf: {where} defines {name}(), which is no event{suggest(name, list(known))}; "
+                f"events: {', '.join(known)} (a probe of its own declares more in Probe.events)"
+            )
+        params = known[name]
+        handler = inspect.getattr_static(cls, name)
+        if params is None or not inspect.isfunction(handler):
+            continue
+        try:
+            signature = inspect.signature(handler)
+        except (TypeError, ValueError):  # pragma: no cover - not introspectable: called as it is
+            continue
+        try:
+            signature.bind(None, *params)
+        except TypeError:
+            expected = f"{name}({', '.join(('self',) + params)})"
+            raise UsageError(
+                f"pytest-torchperf: {where} defines {name}{signature}, which cannot take what event {name} "
+                f"sends: it is called as {expected}"
+            ) from None
+
+
+def validate_declaration(invariant: Any, source: str, extra_events: Any = ()) -> None:
+    """Refuse a check class with an ``on_*`` method that is no event or has the wrong arguments, and a settings
+    class that does not fit."""
     check = invariant.check
     if isinstance(check, type):
-        known = list(EVENTS) + [e for e in extra_events if e not in EVENTS]
-        for name in handler_names(check):
-            if name not in known:
-                raise UsageError(
-                    f"pytest-torchperf: {source}: the check of invariant {invariant.name!r} defines {name}(), "
-                    f"which is no event{suggest(name, known)}; events: {', '.join(known)} "
-                    "(a probe of its own declares more in Probe.events)"
-                )
+        verify_handlers(check, f"{source}: the check of invariant {invariant.name!r}", extra_events)
     declared = getattr(invariant, "settings", None)
     if declared is not None:
         if not (dataclasses.is_dataclass(declared) and isinstance(declared, type)):

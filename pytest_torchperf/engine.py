@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
+import weakref
 from typing import Any, Callable, Optional, Protocol
 
 from . import autosteps, core, dynamo_frames, frameworks, registry, stacks
@@ -75,6 +77,7 @@ class Engine:
         self.extensions: list[Any] = []
         self._builtin_loaded = False
         core._probe_remover[:] = [self.remove_probe]
+        _at_fork(self)
 
     # -- extensions ------------------------------------------------------------------------
     def add_extension(self, extension: Any) -> None:
@@ -182,7 +185,7 @@ class Engine:
                 run.internal_errors.setdefault("undo", f"{type(exc).__name__}: {exc}")
 
     def _install_probe(self, probe: Any, run: Run) -> None:
-        patcher = Patcher()
+        patcher = Patcher(contain=probe.failed)
         try:
             with patcher.reusing(probe if getattr(probe, "keeps_wrappers", False) else None):
                 probe.install(patcher)
@@ -232,12 +235,49 @@ class Engine:
             for other in doomed - {name}:
                 run.internal_errors.setdefault(other, f"taken out with probe {name}, which it needs")
 
+    # -- processes ------------------------------------------------------------------------------
+    def forked(self) -> None:
+        """In a forked child (any start method, any launcher): the child's copy of the engine is its own.
+
+        The patches are inherited and stay (they are this process's now, undone when its last run stops);
+        each installed probe re-arms its copy of its state for this process (:meth:`Probe.forked`), so the
+        child's runs (a rank's, started by :class:`~pytest_torchperf.ranks.child.ChildRuns`) see its events
+        exactly as a spawned rank's runs do. Never raises: a probe that cannot re-arm is taken out.
+        """
+        for name in list(self.installed):
+            probe = registry.probe(name)
+            hook = getattr(probe, "forked", None)
+            if hook is None:
+                continue
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 - never into the child's code
+                core.probe_failed(name, exc)
+
     def installed_probes(self) -> tuple[str, ...]:
         """The probes installed now, in install order."""
         return tuple(self.installed)
 
     def __repr__(self) -> str:
         return f"<torchperf Engine runs={len(self.runs)} probes={list(self.installed)}>"
+
+
+def _at_fork(engine: Engine) -> None:
+    """Call ``engine.forked()`` in every child this process forks, for as long as the engine lives."""
+    register = getattr(os, "register_at_fork", None)
+    if register is None:  # pragma: no cover - no fork on this platform
+        return
+    ref = weakref.ref(engine)
+
+    def after_in_child() -> None:
+        live = ref()
+        if live is not None:
+            try:
+                live.forked()
+            except Exception:  # noqa: BLE001 - the child's code runs next, whatever happened here
+                pass
+
+    register(after_in_child=after_in_child)
 
 
 def _keep_torch_caches(patcher: Patcher) -> None:

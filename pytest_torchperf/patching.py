@@ -244,7 +244,10 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
 class Patcher:
     """Collects undo actions; :meth:`undo` runs them newest first, once."""
 
-    def __init__(self) -> None:
+    def __init__(self, contain: Optional[Callable[[BaseException], None]] = None) -> None:
+        #: The engine's guard of a probe's patcher: every wrapper :meth:`wrap` sets is contained, its own
+        #: errors handed to this (the probe's failure) and the user's call finished (:mod:`._guard`).
+        self.contain = contain
         #: Callables, and the layers of patches (``(layers, value)`` tuples, see :class:`_Layers`).
         self._undo: list[Any] = []
         #: Undo actions that must not run in the middle of a probe's own call (see :meth:`callback`).
@@ -339,15 +342,23 @@ class Patcher:
         original = getattr(owner, name)
         scope = self._reuse
         if scope is None:
-            return self.setattr(owner, name, make(original))
+            return self.setattr(owner, name, self._made(make, original))
         key = (scope, id(owner), name)
         kept = _KEPT.get(key)
         if kept is not None and kept[0] is owner and kept[1] is original:
             wrapper = kept[2]
         else:
-            wrapper = make(original)
+            wrapper = self._made(make, original)
             _KEPT[key] = (owner, original, wrapper)
         return self.setattr(owner, name, wrapper)
+
+    def _made(self, make: Callable[[Any], Any], original: Any) -> Any:
+        wrapper = make(original)
+        if self.contain is None or not callable(wrapper):
+            return wrapper
+        from ._guard import contain
+
+        return contain(wrapper, original, self.contain)
 
     @contextlib.contextmanager
     def reusing(self, scope: Hashable) -> Iterator[None]:

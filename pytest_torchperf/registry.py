@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
 from .arguments import Argument, ArgumentKind, Choice, Flag, UsageError, suggest
-from .declarations import QUALIFIER, validate_declaration
+from .declarations import QUALIFIER, validate_declaration, verify_handlers
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -213,10 +213,11 @@ def _validate(invariant: Any, source: str) -> None:
         raise UsageError(f"pytest-torchperf: {source}: invariant {invariant.name!r} repeats an argument name")
     if QUALIFIER in invariant.name or any(QUALIFIER in a.name for a in invariant.arguments):
         raise UsageError(f"pytest-torchperf: {source}: a name may not contain {QUALIFIER!r} (it spells a namespace)")
-    events: set[str] = set()
+    events: dict[str, Any] = {}
     for ref in invariant.probes:
         probe = _resolve_probe(ref, f"{source}: invariant {invariant.name!r}")
-        events.update(getattr(probe, "events", ()) or ())
+        declared = getattr(probe, "events", ()) or ()
+        events.update(declared.items() if isinstance(declared, dict) else dict.fromkeys(declared))
     validate_declaration(invariant, source, events)
 
 
@@ -307,6 +308,9 @@ def make_checks(run: Any) -> dict[str, Any]:
         invariant = registered[name]
         run._building = name  # ``Check.settings`` inside the check's constructor
         check = invariant.check(run)
+        if not isinstance(invariant.check, type) and type(check) not in _VERIFIED:  # a factory's check: made now
+            verify_handlers(type(check), f"the check of invariant {name!r}", _probe_events(invariant))
+            _VERIFIED.add(type(check))
         if not getattr(check, "name", None):
             try:
                 check.name = name
@@ -315,6 +319,18 @@ def make_checks(run: Any) -> dict[str, Any]:
         checks[name] = check
         run.probes_of[name] = ("lightning",) + probe_names(invariant)
     return checks
+
+
+#: Check classes made by factories whose handlers were verified (see :func:`~.declarations.verify_handlers`).
+_VERIFIED: "set[type]" = set()
+
+
+def _probe_events(invariant: Invariant) -> dict[str, Any]:
+    events: dict[str, Any] = {}
+    for name in probe_names(invariant):
+        declared = getattr(_probe(name), "events", ()) or ()
+        events.update(declared.items() if isinstance(declared, dict) else dict.fromkeys(declared))
+    return events
 
 
 def probes_for(names: Iterable[str]) -> list[Any]:

@@ -172,3 +172,63 @@ def test_importing_the_registry_and_parsing_options_never_imports_torch() -> Non
         """
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_a_handler_with_the_wrong_arguments_is_refused_at_registration_with_the_expected_signature() -> None:
+    from pytest_torchperf import Check, Invariant, register
+    from pytest_torchperf.arguments import UsageError
+
+    class WrongSync(Check):
+        def on_sync(self, event, extra):  # type: ignore[no-untyped-def]  # the event sends one argument
+            pass
+
+        def result(self):  # type: ignore[no-untyped-def]
+            raise AssertionError("never made")
+
+    with pytest.raises(UsageError) as info:
+        register(Invariant("wrong_sync_handler", "a check whose handler takes two arguments", WrongSync))
+    message = str(info.value)
+    assert "on_sync(self, event, extra)" in message
+    assert "it is called as on_sync(self, event)" in message
+
+
+def test_an_unknown_handler_name_is_refused_with_did_you_mean() -> None:
+    from pytest_torchperf import Check, Invariant, register
+    from pytest_torchperf.arguments import UsageError
+
+    class Misspelt(Check):
+        def on_step_ends(self):  # type: ignore[no-untyped-def]
+            pass
+
+        def result(self):  # type: ignore[no-untyped-def]
+            raise AssertionError("never made")
+
+    with pytest.raises(UsageError, match="on_step_ends\\(\\), which is no event \\(did you mean 'on_step_end'\\?\\)"):
+        register(Invariant("misspelt_handler", "a check with a misspelt handler", Misspelt))
+
+
+def test_a_handler_may_take_defaults_or_star_args_beyond_what_the_event_sends() -> None:
+    from pytest_torchperf import Check, Invariant, register, unregister
+
+    class Lenient(Check):
+        def on_optimizer_step(self, optimizer, *rest):  # type: ignore[no-untyped-def]
+            pass
+
+        def on_step_end(self, extra=None):  # type: ignore[no-untyped-def]
+            pass
+
+        def result(self):  # type: ignore[no-untyped-def]
+            raise AssertionError("never made")
+
+    register(Invariant("lenient_handlers", "handlers that take what their events send", Lenient))
+    unregister("lenient_handlers")
+
+
+def test_an_event_s_declared_signature_is_what_the_reference_lists() -> None:
+    import inspect
+
+    from pytest_torchperf.core import EVENTS, Events
+
+    for name, text in EVENTS.items():
+        params = list(inspect.signature(getattr(Events, name)).parameters)[1:]
+        assert text.startswith(f"({', '.join(params)}): ")

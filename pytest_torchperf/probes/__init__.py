@@ -48,7 +48,7 @@ class Probe:
     needs: tuple[str, ...] = ()
     #: Events this probe sends beyond :data:`pytest_torchperf.core.EVENTS` (name -> what a handler receives):
     #: the checks of the invariants that use the probe may define them.
-    events: "Mapping[str, str]" = {}
+    events: "Mapping[str, Any]" = {}
     #: :meth:`install` builds the same wrappers every time: closures over the probe and over state it keeps
     #: in place (read when called), nothing install reads once. The engine then keeps them for the next watch
     #: (:meth:`~pytest_torchperf.patching.Patcher.reusing`, scoped by the probe): a wrapper is built again
@@ -69,6 +69,11 @@ class Probe:
         """Forget everything seen: called before :meth:`install` and when the probe is removed."""
         self.unavailable = {}
         self.disabled = False
+
+    def forked(self) -> None:
+        """This process was forked while the probe was installed: the engine calls this in the child, before
+        anything else runs there, so that the probe's copy of its state serves the child's own runs (a
+        probe that remembers its thread, or a call in flight, sets them for the child here)."""
 
     def failed(self, exc: BaseException) -> None:
         """This probe's own code raised: record it and take the probe out (never raises)."""

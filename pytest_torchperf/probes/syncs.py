@@ -37,7 +37,6 @@ with a mask...), at their lines.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import threading
@@ -154,11 +153,18 @@ class SyncsProbe(Probe):
         #: same line (``x.cpu().numpy()``) are the same copy, counted once.
         self.chain: Optional[tuple[Any, Any]] = None
         self.thread: Optional[int] = None
-        self.pid: Optional[int] = None
         #: Reads of host tensors inside steps: not syncs, counted for the report.
         self.host_reads = 0
         #: The slot route of ``tensor[i]`` while a DataLoader fetches (:meth:`_route_fetches`), this watch's.
         self.route: Optional[_slots.SlotRoute] = None
+
+    def forked(self) -> None:
+        """In a forked child: the thread that forked is this process's one thread, and no call is in flight."""
+        super().forked()
+        self.thread = threading.get_ident()
+        self.depth = 0
+        self.current = None
+        self.chain = None
 
     # -- events ----------------------------------------------------------------------------
     def send(self, event: Sync) -> list[Any]:
@@ -192,7 +198,7 @@ class SyncsProbe(Probe):
 
         self.reset()
         patcher.callback(self.reset, deferred=True)
-        self.thread, self.pid = threading.get_ident(), os.getpid()
+        self.thread = threading.get_ident()
         cuda_available = torch.cuda.is_available()
         with patcher.reusing((self, cuda_available, TENSORS, TENSORS.compiling)):
             self._install(patcher, torch, cuda_available)
@@ -279,7 +285,7 @@ class SyncsProbe(Probe):
         def before(op: Op, this: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                    frame: Optional[FrameType]) -> Optional[tuple[list[Any], Located]]:
             """Decide whether the call is an event and send it; None: call through untouched."""
-            if probe.depth or threading.get_ident() != probe.thread or os.getpid() != probe.pid:
+            if probe.depth or threading.get_ident() != probe.thread:
                 return None
             device = verdict(op.name, this, args, kwargs)
             if device == WOULD and TENSORS.optimizer_counters(frame):  # a state built before the run
