@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..arguments import Flag
 from ..core import Check
-from ..frames import describe_frame, locate, owner_label, stack_of
+from ..frames import locate, owner_label, stack_of
 from ..probes.loaders import PROBE as LOADERS
 from ..probes.syncs import Sync
 from ..probes.tensors import PROBE as TENSORS
