@@ -31,7 +31,6 @@ Blockers in a library's code inside the step are notes; the user's fail.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..arguments import Flag
@@ -147,7 +146,6 @@ class CudaGraphReadyCheck(Check):
     def __init__(self, run: "Run") -> None:
         super().__init__(run)
         self._blockers: dict[Any, _Blocker] = {}
-        self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._log = LOADERS.log_for(run, batches=True)
         self._log.contents = True
 
@@ -205,11 +203,11 @@ class CudaGraphReadyCheck(Check):
         self._add(key, kind, label, lambda: stack_of(event.frame), mover.kind == USER, facts)
 
     def on_optimizer_step(self, optimizer: Any) -> None:
-        if optimizer in self._optimizers:
-            return
-        self._optimizers.add(optimizer)
         groups = getattr(optimizer, "param_groups", ()) or ()
         if not any("capturable" in g and not g["capturable"] for g in groups):
+            return
+        if (OPTIMIZER, id(optimizer)) in self._blockers:
+            self._blockers[(OPTIMIZER, id(optimizer))].add(self.run.unit if self.run.in_scope else None, 0)
             return
         stack = capture(2)
         name = type(optimizer).__name__
