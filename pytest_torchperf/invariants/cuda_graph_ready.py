@@ -210,6 +210,9 @@ class CudaGraphReadyCheck(Check):
             self._blockers[(OPTIMIZER, id(optimizer))].add(self.run.unit if self.run.in_scope else None, 0)
             return
         stack = capture(2)
+        mine = [i for i, frame in enumerate(stack) if frame.kind == USER]
+        if mine:  # the setting is the user's: the line of theirs that stepped it, past any wrapper's
+            stack = stack[: mine[-1] + 1]
         name = type(optimizer).__name__
         facts = [f"torch.optim.{name} with capturable=False keeps its step counters on the host"]
         if any(g.get("fused") for g in groups):
