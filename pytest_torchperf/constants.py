@@ -51,6 +51,8 @@ BUILTIN_INVARIANTS = (
     "max_collectives_per_step",
     "no_constant_buffer_broadcast",
     "max_data_wait",
+    "cuda_graph_ready",
+    "copy_hygiene",
 )
 
 #: The entry point group other packages declare invariants in (``registry.ENTRY_POINT_GROUP``).

@@ -25,6 +25,7 @@ comparison per active run.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
@@ -64,6 +65,10 @@ class LoaderRecord:
         self.feeds_steps = False
         #: Device type of the first batch's first tensor when it was not on the CPU ("cuda"...).
         self.batch_device: Optional[str] = None
+        #: With ``LoaderLog.contents``: each batch's tensor shapes -> (batches with them, the pass and the batch
+        #: number of the first), in the order first seen.
+        self.shapes: dict[tuple[Any, ...], tuple[int, int, int]] = {}
+        self._in_pass = 0
         self._steps_at_batch: Optional[int] = None
 
     @property
@@ -110,6 +115,10 @@ class LoaderLog:
         self.records: dict[int, LoaderRecord] = {}
         #: Some check reads what the batches say (which loaders feed training steps, the batches' device).
         self.batches = False
+        #: Some check reads what the batches hold: their shapes (:attr:`LoaderRecord.shapes`) and which loader
+        #: the latest batch's tensors came from (:meth:`loader_of_tensor`). Set it with ``batches``.
+        self.contents = False
+        self._latest: dict[int, tuple[Any, LoaderRecord]] = {}
 
     def record(self, loader: Any) -> LoaderRecord:
         rec = self.records.get(id(loader))
@@ -132,6 +141,7 @@ class LoaderLog:
         rec.refresh(loader)
         rec.passes += 1
         rec._steps_at_batch = None
+        rec._in_pass = 0
         if rec.first_iterated is None:
             rec.first_iterated = capture(3)
         trainer = lightning.current_trainer()
@@ -159,9 +169,34 @@ class LoaderLog:
         if done:
             rec._steps_at_batch = None
             return
+        if self.contents:
+            tensors = _tensors_in(batch)
+            self._latest = {id(t): (weakref.ref(t), rec) for t in tensors}
+            shape = tuple(tuple(t.shape) for t in tensors)
+            rec._in_pass += 1
+            seen = rec.shapes.get(shape)
+            rec.shapes[shape] = (seen[0] + 1, seen[1], seen[2]) if seen else (1, rec.passes, rec._in_pass)
         if rec._steps_at_batch is None and rec.batch_device is None:
             rec.batch_device = _device_type(batch)
         rec._steps_at_batch = steps
+
+
+    def loader_of_tensor(self, tensor: Any) -> Optional[LoaderRecord]:
+        """The loader whose latest batch holds ``tensor`` (with :attr:`contents`), None if none."""
+        entry = self._latest.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+
+def _tensors_in(batch: Any, depth: int = 0) -> list[Any]:
+    """The tensors of a batch (a tensor, or lists, tuples and dicts of them, three levels deep at most)."""
+    if hasattr(batch, "shape") and hasattr(batch, "device"):
+        return [batch]
+    if depth < 3:
+        if isinstance(batch, Mapping):
+            batch = list(batch.values())
+        if isinstance(batch, (list, tuple)):
+            return [t for item in batch[:16] for t in _tensors_in(item, depth + 1)]
+    return []
 
 
 def _device_type(batch: Any, depth: int = 0) -> Optional[str]:

@@ -33,6 +33,14 @@ that cannot be guaranteed those two are not patched and the probe says so
 restored outside them; its warnings confirm the events above and add the
 synchronising operations no wrapper sees (blocking copies, ``index_put_``
 with a mask...), at their lines.
+
+It also keeps the results of device-to-host ``non_blocking`` copies a check
+asked it to watch (:meth:`SyncsProbe.await_sync`): a read of one on the host
+(``.item()``, ``.tolist()``, ``.numpy()``, ``print``...) before any
+synchronisation (``torch.cuda.synchronize()``, a stream's or event's
+``synchronize()``, ``torch.cpu``/``torch.accelerator.synchronize()``, or a read of
+a device tensor) is an ``on_unsynced_read`` event. Indexing the result with an
+int or handing it to NumPy without ``.numpy()`` is not seen.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from .tensors import _subclass_dispatch
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["Op", "Sync", "SyncsProbe", "PROBE", "METHODS", "FUNCTIONS", "HOST", "WOULD"]
+__all__ = ["Op", "Sync", "UnsyncedRead", "SyncsProbe", "PROBE", "METHODS", "FUNCTIONS", "HOST", "WOULD"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,9 @@ ONE_HOT = Op("one_hot", "`F.one_hot` without `num_classes`", "one_hot")
 SYNCHRONIZE = Op("synchronize", "`torch.cuda.synchronize()`", "synchronize")
 CUDA_REPORTED = Op("cuda_sync", "a synchronising CUDA operation", "cuda")
 
+#: The hints of the operations that read a tensor's values on the host (a pending copy's result read early).
+_READS = frozenset(("value", "host", "branch", "print"))
+
 _SYNC_WARNING = re.compile(r"called a synchronizing CUDA operation")
 
 #: Device verdicts for the tensor an operation reads, from "not an event" to "really synchronises".
@@ -133,14 +144,29 @@ class Sync:
     device: str
 
 
+@dataclass(frozen=True)
+class UnsyncedRead:
+    """A host read of a device-to-host ``non_blocking`` copy's result before any synchronisation."""
+
+    op: Op
+    located: Located
+    frame: Optional[FrameType]
+    #: What the check gave :meth:`SyncsProbe.await_sync` for that copy.
+    token: Any
+
+
 class SyncsProbe(Probe):
     """Wrappers of the synchronising operations (see the module's docstring)."""
 
     name = "syncs"
     needs = ("tensors",)
 
+    events = {"on_unsynced_read": "(read): the host read the result of a device-to-host non_blocking copy before "
+                                     "any synchronisation (an UnsyncedRead)"}
+
     def __init__(self) -> None:
         super().__init__()
+        self.pending: dict[int, tuple[Any, Any]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -157,6 +183,32 @@ class SyncsProbe(Probe):
         self.host_reads = 0
         #: The slot route of ``tensor[i]`` while a DataLoader fetches (:meth:`_route_fetches`), this watch's.
         self.route: Optional[_slots.SlotRoute] = None
+        #: id(tensor) -> (weak reference, token): results of device-to-host ``non_blocking`` copies no
+        #: synchronisation has followed yet (:meth:`await_sync`). Cleared in place, never replaced.
+        self.pending.clear()
+
+    # -- device-to-host copies not yet synchronised ------------------------------------------
+    def await_sync(self, tensor: Any, token: Any) -> None:
+        """``tensor`` holds the result of a device-to-host ``non_blocking`` copy: a read of it on the host before
+        the next synchronisation is an ``on_unsynced_read`` event carrying ``token``."""
+        try:
+            self.pending[id(tensor)] = (weakref.ref(tensor), token)
+        except TypeError:  # pragma: no cover - a tensor that cannot be weakly referenced
+            pass
+
+    def synchronised(self) -> None:
+        """The host waited for the device: every copy queued before has landed."""
+        self.pending.clear()
+
+    def _read_pending(self, op: Op, this: Any, frame: Optional[FrameType]) -> bool:
+        """A read of ``this``: an event when it is a pending copy's result (True), else a synchronisation when it
+        reads a device tensor (the pending copies are then complete)."""
+        entry = self.pending.get(id(this))
+        if entry is None or entry[0]() is not this:
+            return False
+        del self.pending[id(this)]
+        core.notify("on_unsynced_read", UnsyncedRead(op, locate(frame), frame, entry[1]), in_scope=True)
+        return True
 
     def forked(self) -> None:
         """In a forked child: the thread that forked is this process's one thread, and no call is in flight."""
@@ -287,6 +339,7 @@ class SyncsProbe(Probe):
             """Decide whether the call is an event and send it; None: call through untouched."""
             if probe.depth or threading.get_ident() != probe.thread:
                 return None
+            pending = probe.pending and op.hint in _READS and probe._read_pending(op, this, frame)
             device = verdict(op.name, this, args, kwargs)
             if device == WOULD and TENSORS.optimizer_counters(frame):  # a state built before the run
                 device = verdict(op.name, this, args, kwargs)
@@ -295,6 +348,8 @@ class SyncsProbe(Probe):
             if device == HOST:
                 probe.host_reads += 1
                 return None
+            if probe.pending and not pending:
+                probe.synchronised()  # a read of a device tensor waits for the stream
             if not core.handlers("on_sync", in_scope=True):
                 return None
             located = locate(frame)
@@ -347,6 +402,7 @@ class SyncsProbe(Probe):
             return wraps(original)(wrapper)
 
         host_get = TENSORS.host.get
+        pending = self.pending  # cleared in place, never replaced
         traced, session = compiling_parts()  # ``is_compiling()`` in one call: Adam reads 6 counters a step
 
         def unary(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -359,7 +415,7 @@ class SyncsProbe(Probe):
                 # Fast path for the most common read inside a step: a host tensor (an optimizer's step
                 # counter read with .item() once per parameter per step).
                 ref = host_get(id(self))
-                if ref is not None and ref() is self:
+                if ref is not None and ref() is self and not pending:
                     probe.host_reads += 1
                     return original(self)
                 return observe(op, original, self, (), {}, getframe(1))
@@ -470,8 +526,23 @@ class SyncsProbe(Probe):
 
         patcher.wrap(torch.nn.Module, "cpu", module_cpu)
 
+        # Device-agnostic waits (``torch.get_device_module(device).synchronize()`` is ``torch.cpu``'s on a CPU):
+        # they complete the pending device-to-host copies.
+        for owner in (getattr(torch, "cpu", None), getattr(torch, "accelerator", None)):
+            if callable(getattr(owner, "synchronize", None)):
+                patcher.wrap(owner, "synchronize", self._clears_pending)
         if cuda_available:
             self._install_cuda(patcher, torch)
+
+    def _clears_pending(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        probe = self
+
+        def synchronize(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            probe.pending.clear()
+            return original(*args, **kwargs)
+
+        return wraps(original)(synchronize)
 
     def _route_fetches(self, patcher: "Patcher", tensor_type: type) -> None:
         """While a DataLoader fetches samples outside the steps, ``tensor[i]`` goes straight to torch's C code.
@@ -538,6 +609,7 @@ class SyncsProbe(Probe):
         def synchronize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             def synchronize(*args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
+                probe.synchronised()
                 if FLAGS.in_scope and not is_compiling() and probe.depth == 0:
                     try:
                         probe.cuda_event(SYNCHRONIZE, sys._getframe(1))
@@ -553,6 +625,8 @@ class SyncsProbe(Probe):
             return wraps(original)(synchronize)
 
         patcher.wrap(cuda, "synchronize", synchronize_wrapper)
+        for owner in (cuda.Stream, cuda.Event):
+            patcher.wrap(owner, "synchronize", self._clears_pending)
 
         previous: list[Any] = []
 

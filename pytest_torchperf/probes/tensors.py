@@ -42,6 +42,10 @@ While installed, the probe (its registry is :mod:`._host`):
   be told from a batch;
 - marks an optimizer's ``step`` counters as host tensors when a step reads one
   (torch keeps them on the host on purpose unless ``capturable``/``fused``).
+- tells the checks in scope of each ``non_blocking=True`` copy (``on_async_copy``,
+  :class:`AsyncCopy`) and of each ``Tensor.pin_memory()`` call (``on_pin_memory``,
+  told before the call: on a machine without an accelerator torch raises), in
+  the thread that installed it (a DataLoader's pinning thread is not the step).
 
 A tensor subclass with its own ``__torch_function__`` is handed to torch as if
 nothing watched (the subclass sees torch's own method as ``func``), and is not
@@ -58,9 +62,12 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .. import core
 from ..core import FLAGS
 from ..patching import wraps
 from . import Probe, _inputs, _propagate, accelerator_available, is_compiling_function
@@ -82,16 +89,34 @@ _UNSET = object()
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["Birth", "Move", "PROBE", "TensorsProbe", "FACTORIES", "CONVERSIONS", "DATA"]
+__all__ = ["AsyncCopy", "Birth", "Move", "PROBE", "TensorsProbe", "FACTORIES", "CONVERSIONS", "DATA"]
 
 #: Kept for the probes that import it from here.
 _subclass_dispatch = subclass_dispatch
+
+
+@dataclass(frozen=True)
+class AsyncCopy:
+    """A ``non_blocking=True`` copy inside the scope: ``.to(..., non_blocking=True)``, ``.cuda(non_blocking=True)``
+    or ``dst.copy_(src, non_blocking=True)``, as the ``on_async_copy`` event carries it."""
+
+    op: str
+    source: Any
+    #: The copy: the result of ``.to``/``.cuda``, the destination of ``copy_``.
+    result: Any
+    #: Device to host (the result is read on the host); else host to device.
+    to_host: bool
+    frame: Optional[FrameType]
 
 
 class TensorsProbe(HostRegistry, Probe):
     """The registry of host-born tensors and the moves of those tensors (see the module's docstring)."""
 
     name = "tensors"
+    events = {
+        "on_async_copy": "(event): a `non_blocking=True` copy inside the scope (an AsyncCopy)",
+        "on_pin_memory": "(frame): `Tensor.pin_memory()` was called inside the scope, told before torch runs it",
+    }
 
     def __init__(self) -> None:
         Probe.__init__(self)
@@ -111,6 +136,8 @@ class TensorsProbe(HostRegistry, Probe):
         self._optimizer_dir = ""
         #: id(optimizer) -> (id, length) of its state at its last scan (:meth:`optimizer_counters`).
         self._scanned: dict[int, tuple[int, int]] = {}
+        #: The thread the probe was installed in: the one whose ``non_blocking`` copies and pins are told.
+        self.thread: Optional[int] = None
 
     def reset(self) -> None:
         Probe.reset(self)
@@ -119,6 +146,30 @@ class TensorsProbe(HostRegistry, Probe):
         # ``cpu_literals``) is kept from watch to watch: it is a fact of the code object it is keyed by (held,
         # so its id stays its own), each cache bounded, and a statement parsed again at every watch was a
         # large part of what a watched fit paid once.
+
+    def copied_async(self, op: str, source: Any, out: Any, target: Any, frame: Optional[FrameType]) -> None:
+        """A ``non_blocking=True`` copy in a step: tell the checks in scope (an :class:`AsyncCopy`).
+
+        Device to host when the result is on the CPU and the source is not (a real copy), or, where both are
+        (a CPU-only machine), when the line writes the CPU out (``.to("cpu", non_blocking=True)``) or the
+        destination of a ``copy_`` is a host tensor by construction.
+        """
+        try:
+            if threading.get_ident() != self.thread or not core.handlers("on_async_copy", in_scope=True):
+                return
+            if not isinstance(out, self.tensor_type) or not isinstance(source, self.tensor_type):
+                return
+            if out.device.type != "cpu":
+                to_host = False
+            elif source.device.type != "cpu":
+                to_host = True
+            elif op == "copy_":
+                to_host = self.is_host_tensor(out)
+            else:
+                to_host = is_cpu_string(target) and self.writes_cpu(frame)
+            core.notify("on_async_copy", AsyncCopy(op, source, out, to_host, frame), in_scope=True)
+        except Exception as exc:  # noqa: BLE001 - never into the user's code
+            self.failed(exc)
 
     def writes_cpu(self, frame: Optional[FrameType]) -> bool:
         return frame is None or self.cpu_literals.at(frame)
@@ -198,6 +249,7 @@ class TensorsProbe(HostRegistry, Probe):
 
         self.reset()
         patcher.callback(self.reset, deferred=True)
+        self.thread = threading.get_ident()
         self.compiling = is_compiling_function()
         # A real host-to-device copy can only happen where an accelerator is present.
         accelerated = accelerator_available()
@@ -292,6 +344,8 @@ class TensorsProbe(HostRegistry, Probe):
                     if type(self) is not tensor_type and dispatch.overrides(self):
                         return dispatch.call(original, self, args, kwargs)
                     out = original(self, *args, **kwargs)
+                    if kwargs and flags.in_scope and kwargs.get("non_blocking") is True:
+                        probe.copied_async("to", self, out, probe.target_of_to(args, kwargs), getframe(1))
                 if not accelerated and (
                     not births or (
                         births_get(id(self)) is None
@@ -348,6 +402,8 @@ class TensorsProbe(HostRegistry, Probe):
                 except Exception as exc:  # noqa: BLE001
                     probe.failed(exc)
                 out = original(self, *args, **kwargs)
+                if flags.in_scope and (kwargs.get("non_blocking") is True or args[1:2] == (True,)):
+                    probe.copied_async("cuda", self, out, "cuda", getframe(1))
                 try:
                     probe.on_move("cuda", self, "cuda", out, getframe(1), told)
                 except Exception as exc:  # noqa: BLE001
@@ -390,9 +446,25 @@ class TensorsProbe(HostRegistry, Probe):
                             probe.tell(Move("copy_", src, None, False, self, getframe(1), True))
                     except Exception as exc:  # noqa: BLE001
                         probe.failed(exc)
-                return original(self, src, *args, **kwargs)
+                out = original(self, src, *args, **kwargs)
+                if flags.in_scope and (kwargs.get("non_blocking") is True or args[:1] == (True,)):
+                    probe.copied_async("copy_", src, self, self, getframe(1))
+                return out
 
             return wraps(original)(copy_)
+
+        def wrap_pin_memory(original: Callable[..., Any]) -> Callable[..., Any]:
+            def pin_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                if flags.in_scope and not is_compiling() and threading.get_ident() == probe.thread:
+                    # Told before the call: without an accelerator torch raises; the code is still the bug.
+                    try:
+                        core.notify("on_pin_memory", getframe(1), in_scope=True)
+                    except Exception as exc:  # noqa: BLE001
+                        probe.failed(exc)
+                return original(self, *args, **kwargs)
+
+            return wraps(original)(pin_memory)
 
         def wrap_new_tensor(original: Callable[..., Any]) -> Callable[..., Any]:
             def new_tensor(self: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -477,6 +549,7 @@ class TensorsProbe(HostRegistry, Probe):
         patcher.wrap(tensor_type, "type_as", wrap_type_as)
         patcher.wrap(tensor_type, "copy_", wrap_copy_)
         patcher.wrap(tensor_type, "new_tensor", wrap_new_tensor)
+        patcher.wrap(tensor_type, "pin_memory", wrap_pin_memory)
         self._install_module_moves(patcher, torch)
         _propagate.install(self, patcher, torch, dispatch)
         self._install_optimizer_scan(patcher, torch)
