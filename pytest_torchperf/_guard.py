@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import linecache
 import sys
-from types import CodeType, TracebackType
+from types import CodeType, FrameType, TracebackType
 from typing import Any, Callable, Optional
 
-__all__ = ["contain"]
+__all__ = ["caller_frame", "contain"]
 
 _NOTHING = object()
 
@@ -86,6 +86,24 @@ def contain(wrapper: Callable[..., Any], original: Any, failed: Callable[[BaseEx
         pass
     guarded.__torchperf_guarded__ = wrapper  # type: ignore[attr-defined]
     return guarded
+
+
+#: The code of the guard's own frames (one sits between a contained wrapper and its caller).
+_GUARD_CODES: frozenset[CodeType] = frozenset()
+
+
+def caller_frame(depth: int = 1) -> FrameType:
+    """``sys._getframe(depth)`` as seen from the caller, past the guard's frame: a wrapper's caller is the user.
+
+    Wrappers read the line that called them (``getframe(1)``); the guard that contains them is one frame more
+    between the two, which this skips, so a wrapper reads the same frame guarded or not.
+    """
+    frame = sys._getframe(depth + 1)
+    if frame.f_code in _GUARD_CODES:
+        back = frame.f_back
+        if back is not None:
+            return back
+    return frame
 
 
 _RAISE = object()
@@ -157,3 +175,13 @@ def _span(code: CodeType, lasti: int, lineno: int) -> str:
             text = lines[start - 1][col:] + "".join(lines[start:end - 1]) + lines[end - 1][:end_col]
             return text
     return lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
+
+
+def _guard_codes() -> frozenset[CodeType]:
+    codes = set()
+    for wrapper in (lambda a: a, lambda a, b: a, lambda *a, **k: a):
+        codes.add(contain(wrapper, wrapper, lambda exc: None).__code__)
+    return frozenset(codes)
+
+
+_GUARD_CODES = _guard_codes()

@@ -49,11 +49,11 @@ from __future__ import annotations
 
 import ast
 import linecache
-import sys
 import textwrap
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .._guard import caller_frame
 from ..core import FLAGS
 from ..frames import caller, kind_of
 from ..patching import wraps
@@ -163,7 +163,7 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
                     if many:
                         first = args[0]
                         if isinstance(first, (list, tuple)) and first and probe.is_host_tensor(first[0]):
-                            site = caller(sys._getframe(1))
+                            site = caller(caller_frame())
                             if site is not None and kind_of(site.f_code) != TORCH:
                                 probe.follow(name, out, tuple(first))
                     elif probe.is_traced(args[0]):

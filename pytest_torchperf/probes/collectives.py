@@ -20,11 +20,11 @@ forward; nothing per tensor op.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
+from .._guard import caller_frame
 from ..core import FLAGS
 from ..patching import wraps
 from . import Probe, is_compiling_function
@@ -96,7 +96,7 @@ class CollectivesProbe(Probe):
                         return original(*args, **kwargs)
                     try:
                         data = args[position] if 0 <= position < len(args) else None
-                        notify("on_collective", kind, tensor_bytes(data), sys._getframe(1))
+                        notify("on_collective", kind, tensor_bytes(data), caller_frame())
                     except Exception as exc:  # noqa: BLE001 - never into the user's code
                         probe.failed(exc)
                     local.depth = 1

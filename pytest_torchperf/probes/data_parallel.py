@@ -14,11 +14,11 @@ through ``__getattr__``, so no other attribute read of any module changes.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
+from .._guard import caller_frame
 from ..core import FLAGS
 from ..frames import kind_of, stack_of
 from ..patching import wraps
@@ -58,7 +58,7 @@ class DataParallelProbe(Probe):
                 __tracebackhide__ = True
                 if flags.active:
                     try:
-                        probe.forwarded(self, sys._getframe(1))
+                        probe.forwarded(self, caller_frame())
                     except Exception as exc:  # noqa: BLE001 - never into the user's code
                         probe.failed(exc)
                 return original(self, *args, **kwargs)
@@ -70,7 +70,7 @@ class DataParallelProbe(Probe):
             def __getattr__(self: Any, name: str) -> Any:
                 if name == "module" and flags.active:
                     try:
-                        probe.read_module(self, sys._getframe(1))
+                        probe.read_module(self, caller_frame())
                     except Exception as exc:  # noqa: BLE001
                         probe.failed(exc)
                 return original(self, name)

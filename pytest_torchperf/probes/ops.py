@@ -28,10 +28,10 @@ its first tensor argument. Later steps only count.
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any, Optional
 
 from .. import core
+from .._guard import caller_frame
 from ..frames import StackCache, locate
 from . import Probe
 
@@ -202,7 +202,7 @@ def _mode_class() -> type:
                 ops[key] = func
             if probe.sample is not None:
                 try:
-                    _locate(probe.sample, func, args, sys._getframe(1))
+                    _locate(probe.sample, func, args, caller_frame())
                 except Exception as exc:  # noqa: BLE001 - never into the user's code
                     probe.sample = None
                     core.probe_failed("ops", exc)

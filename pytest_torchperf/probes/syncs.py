@@ -46,7 +46,6 @@ int or handing it to NumPy without ``.numpy()`` is not seen.
 from __future__ import annotations
 
 import re
-import sys
 import threading
 import warnings
 import weakref
@@ -55,6 +54,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import _slots, core
+from .._guard import caller_frame
 from ..core import FLAGS
 from ..frames import Located, locate
 from ..patching import SlotPatchUnsupported, wraps
@@ -261,7 +261,7 @@ class SyncsProbe(Probe):
         tensor_type = torch.Tensor
         flags = FLAGS
         is_compiling = TENSORS.compiling
-        getframe = sys._getframe
+        getframe = caller_frame  # the wrapper's caller, past the engine's guard
         probe = self
         masks = (torch.bool, torch.uint8)
         is_host_tensor = TENSORS.is_host_tensor
@@ -612,7 +612,7 @@ class SyncsProbe(Probe):
                 probe.synchronised()
                 if FLAGS.in_scope and not is_compiling() and probe.depth == 0:
                     try:
-                        probe.cuda_event(SYNCHRONIZE, sys._getframe(1))
+                        probe.cuda_event(SYNCHRONIZE, caller_frame())
                     except Exception as exc:  # noqa: BLE001
                         probe.failed(exc)
                     probe.depth += 1
@@ -674,7 +674,7 @@ class SyncsProbe(Probe):
                                     for record in probe.current:
                                         record.confirmed += 1
                             else:
-                                probe.cuda_event(CUDA_REPORTED, sys._getframe(1))
+                                probe.cuda_event(CUDA_REPORTED, caller_frame())
                     except Exception as exc:  # noqa: BLE001
                         probe.failed(exc)
                     return None

@@ -68,6 +68,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
+from .._guard import caller_frame
 from ..core import FLAGS
 from ..patching import wraps
 from . import Probe, _inputs, _propagate, accelerator_available, is_compiling_function
@@ -261,7 +262,7 @@ class TensorsProbe(HostRegistry, Probe):
         self.device_type = torch.device
         is_compiling = self.compiling
         flags = FLAGS
-        getframe = sys._getframe
+        getframe = caller_frame  # the wrapper's caller, past the engine's guard
         probe = self
         dispatch = subclass_dispatch(torch)
 
