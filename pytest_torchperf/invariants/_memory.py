@@ -18,7 +18,7 @@ per step), so CPU runs are not measured.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypedDict
+from typing import Callable, Optional, TypedDict
 
 from ..clocks import perf_counter
 

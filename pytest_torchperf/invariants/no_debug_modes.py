@@ -29,7 +29,7 @@ Nsight attached from outside) are not seen.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, TypedDict
+from typing import TYPE_CHECKING, Callable, TypedDict
 
 from .. import trace
 from ..arguments import Argument, Flag

@@ -28,7 +28,7 @@ reported with the reason dynamo gives, once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, TypedDict
+from typing import TYPE_CHECKING, Optional, TypedDict
 
 from ..arguments import Argument, Flag, Integer
 from ..core import Check
