@@ -1,4 +1,4 @@
-"""Each invariant's figures as a declared type: the names and types its verdict may carry, refused at registration when they would clash with the engine's.
+"""Each invariant's figures as a declared type: refused at registration when a name clashes with the engine's.
 
 An invariant declares its figures (the numbers and lists a
 :class:`~pytest_torchperf.report.CheckResult` carries beside its verdict: in

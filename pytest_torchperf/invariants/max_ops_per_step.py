@@ -291,7 +291,7 @@ class Figures(TypedDict, total=False):
     count_warmup_steps: int
     steps_seen: int
     counted_steps: int
-    count_steps: int
+    count_steps: Optional[int]
     ops_per_step: float
     worst_step_ops: int
     distinct_ops: int
