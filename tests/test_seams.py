@@ -1,10 +1,10 @@
 """The seams: every invariant on alone and all together, under the output modes users combine.
 
 One pytester subprocess per output mode (JUnit XML, JSON, annotations and trace; report-only with a
-baseline update; the baseline compared under ``-n 2`` with JUnit XML and JSON) runs one generated file: a plain loop whose DataLoader has
-workers and a Lightning fit, each once with all the invariants on; the first mode also once per invariant
-switched on alone (all together, every invariant's figures still go through every mode). What
-must hold whatever the verdicts: no INTERNALERROR, no error in setup or teardown, the exit code of a
+baseline update; the baseline compared under ``-n 2`` with JUnit XML and JSON) runs one generated file:
+a plain loop whose DataLoader has workers and a Lightning fit, each once with all the invariants on; the
+first mode also once per invariant switched on alone (all together, every invariant's figures still go
+through every mode). What must hold whatever the verdicts: no INTERNALERROR, no error in setup or teardown, the exit code of a
 session whose tests failed (or passed, report-only), and every figure in the JSON declared by its
 invariant with the declared type.
 """
@@ -151,7 +151,8 @@ def test_report_only_with_a_baseline_update_then_the_baseline_compared_under_xdi
     assert Path(user_models.path / "baseline.json").exists()
     xdist = ("-n", "2") if _has_xdist() else ()
     compared = _run(
-        user_models, *xdist, "--torchperf-baseline=baseline.json", "--junitxml=junit.xml", "--torchperf-json=report.json"
+        user_models, *xdist, "--torchperf-baseline=baseline.json", "--junitxml=junit.xml",
+        "--torchperf-json=report.json",
     )
     assert compared.ret in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
     assert _figures_as_declared(json.loads((user_models.path / "report.json").read_text())) == []
