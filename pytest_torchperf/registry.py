@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
+from . import figures as _figures
 from .arguments import Argument, ArgumentKind, Choice, Flag, UsageError, suggest
 from .declarations import QUALIFIER, validate_declaration, verify_handlers
 
@@ -100,6 +101,9 @@ class Invariant:
     #: Checks only what a run may or may not contain (``no_graph_breaks``: compiled code): its "not checked"
     #: means there was nothing of that kind, so it is no warning of ``--torchperf-not-checked``.
     conditional: bool = False
+    #: The figures its verdict carries: a ``TypedDict`` class (see :mod:`pytest_torchperf.figures`);
+    #: None: undeclared (a plug-in's may be).
+    figures: Optional[type] = None
 
     @property
     def argument(self) -> Argument:
@@ -219,6 +223,7 @@ def _validate(invariant: Any, source: str) -> None:
         declared = getattr(probe, "events", ()) or ()
         events.update(declared.items() if isinstance(declared, dict) else dict.fromkeys(declared))
     validate_declaration(invariant, source, events)
+    _figures.validate(invariant.figures, source, invariant.name)
 
 
 def _add(found: dict[str, Invariant], invariant: Any, source: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import unittest
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from .stacks import Frame, Stack, format_stack, site_of
 from .status import Status
@@ -124,7 +124,12 @@ class CheckResult:
     summary: str
     count: int = 0
     findings: list[Finding] = field(default_factory=list)
-    figures: dict[str, Any] = field(default_factory=dict)
+    #: The invariant's own figures: the keys its declared ``figures`` type names (see
+    #: :mod:`pytest_torchperf.figures`), never the engine's.
+    figures: Mapping[str, Any] = field(default_factory=dict)
+    #: A verdict merged over the processes of a multi-process run: each process's (``rank0``, ``rank1``,
+    #: ``main``) status, summary and figures (:mod:`pytest_torchperf.ranks.merge`); empty for one process.
+    processes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.status, Status):  # a plug-in's Status member: kept as its plain string
@@ -172,6 +177,7 @@ class CheckResult:
             "count": self.count,
             "figures": dict(self.figures),
             "findings": [f.to_dict() for f in self.findings],
+            **({"processes": {k: dict(v) for k, v in self.processes.items()}} if self.processes else {}),
         }
 
 

@@ -5,7 +5,7 @@ from the reports the workers send), and it writes one JSON document per
 session. The schema is versioned by ``SCHEMA_VERSION``::
 
     {
-      "schema_version": 1,
+      "schema_version": 2,
       "created": "2026-11-29T19:40:00+00:00",
       "environment": {"python": "3.11.7", "platform": "...", "torch": "2.13.0+cpu",
                       "pytorch_lightning": "2.6.6", "lightning": null, "pytest": "9.2.0",
@@ -23,9 +23,11 @@ session. The schema is versioned by ``SCHEMA_VERSION``::
       ]
     }
 
-A run merged over the processes of a multi-process launch also has ``"ranks"`` (one entry per process)
-and, per invariant, ``figures["ranks"]`` (every process's verdict and figures; see
-:mod:`pytest_torchperf.ranks.merge`).
+``figures`` holds the invariant's own figures only (their names and types: the reference page, generated
+from each invariant's declared ``figures`` type). A run merged over the processes of a multi-process launch
+also has ``"ranks"`` (one entry per process) and, per invariant, ``"processes"`` beside ``"figures"``:
+every process's ``status``, ``summary`` and ``figures`` by process (``"rank0"``, ``"rank1"``, ``"main"``; see
+:mod:`pytest_torchperf.ranks.merge`). Schema version 2 moved that merge out of ``figures["ranks"]``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from .report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED
 
 __all__ = ["SCHEMA_VERSION", "environment", "test_entry", "document", "write", "junit_properties"]
 
-SCHEMA_VERSION = 1
+#: 2: a merged verdict's per-process results moved from ``figures["ranks"]`` to ``"processes"``.
+SCHEMA_VERSION = 2
 
 _PACKAGES = ("torch", "pytorch_lightning", "lightning", "pytest", "pytest_torchperf", "pytest_xdist")
 _DISTRIBUTIONS = {
@@ -160,17 +163,17 @@ def junit_properties(checks: dict[str, dict[str, Any]]) -> list[tuple[str, Any]]
     """Flat ``torchperf.<invariant>.<figure>`` properties: verdict, count and scalar figures.
 
     A run merged over several processes has each one's verdict and figures under
-    ``figures["ranks"]``: they become ``torchperf.<invariant>.rank1.<figure>``.
+    ``"processes"``: they become ``torchperf.<invariant>.rank1.status`` and ``torchperf.<invariant>.rank1.<figure>``.
     """
     props: list[tuple[str, Any]] = []
     for name, check in checks.items():
         prefix = f"torchperf.{name}"
         props.append((f"{prefix}.status", check["status"]))
         props.append((f"{prefix}.count", check["count"]))
-        figures = check.get("figures", {})
-        props.extend(_scalars(prefix, figures))
-        for process, values in (figures.get("ranks") or {}).items():
-            props.extend(_scalars(f"{prefix}.{process}", values))
+        props.extend(_scalars(prefix, check.get("figures") or {}))
+        for process, result in (check.get("processes") or {}).items():
+            props.append((f"{prefix}.{process}.status", result.get("status")))
+            props.extend(_scalars(f"{prefix}.{process}", result.get("figures") or {}))
     return props
 
 

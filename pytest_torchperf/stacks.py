@@ -41,18 +41,8 @@ FRAMEWORK = "framework"
 LIBRARY = "library"
 USER = "user"
 
-#: Packages whose frames are the training framework's own code, not the user's.
-_LIGHTNING_PACKAGES = (
-    "pytorch_lightning",
-    "lightning",
-    "lightning_fabric",
-    "lightning_utilities",
-    "torchmetrics",
-)
-#: (and the adapted frameworks' packages, ``frameworks.PACKAGES``).
-FRAMEWORK_PACKAGES: "tuple[str, ...]" = _LIGHTNING_PACKAGES + tuple(
-    name for name in _ADAPTED if name not in _LIGHTNING_PACKAGES
-)
+#: Packages whose frames are a training framework's own code, not the user's: every adapter's ``PACKAGES``.
+FRAMEWORK_PACKAGES: "tuple[str, ...]" = _ADAPTED
 _PYTEST_PACKAGES = ("_pytest", "pytest", "pluggy", "xdist", "execnet")
 _TORCH_PACKAGES = ("torch", "functorch")
 #: Every package the classifier places by its import location.

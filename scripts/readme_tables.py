@@ -4,8 +4,8 @@
 - ``docs/reference/invariants.md``: every built-in invariant and its arguments (``registry``);
 - ``docs/reference/options.md``: the ``--torchperf-*`` options and their ini twins (``settings.add_options``);
 - ``docs/reference/events.md``: the events the built-in probes send (``core.EVENTS``);
-- ``docs/reference/json.md``: the JSON schema of the marker's arguments (``registry.options_schema()``) and
-  the JSON report's layout (``results``);
+- ``docs/reference/json.md``: the JSON schema of the marker's arguments (``registry.options_schema()``), of
+  each invariant's figures (``figures.schema()``) and the JSON report's layout (``results``);
 - ``docs/reference/modules.md``: the package's layout, one line per module (its docstring's first line).
 
 A new built-in invariant (a name appended to ``registry.BUILTIN``) shows up in all of them; its page
@@ -28,7 +28,7 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pytest_torchperf import core, registry, results, settings  # noqa: E402
+from pytest_torchperf import core, figures, registry, results, settings  # noqa: E402
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -109,6 +109,11 @@ def invariants_page() -> str:
                 lines.append(
                     f"| `{arg.name}` | `{arg.default!r}` | {_cell(arg.kind.describe(arg.meaning))} | {_cell(arg.doc)} |"
                 )
+        declared = figures.declared(inv.figures) if inv.figures is not None else {}
+        if declared:
+            lines += ["", "Figures (`figures` in the JSON report, scalar ones as JUnit properties; "
+                      "each there when measured):", ""]
+            lines.append(", ".join(f"`{name}` ({_cell(figures.type_text(tp))})" for name, tp in declared.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -225,6 +230,15 @@ def json_page() -> str:
         "",
         "```json",
         json.dumps(_schema(), indent=2),
+        "```",
+        "",
+        "## The figures schema",
+        "",
+        "`pytest_torchperf.figures.schema(invariant.figures)`: each built-in invariant's `figures`, generated from "
+        "the `TypedDict` its module declares (a figure is there when the check measured it).",
+        "",
+        "```json",
+        json.dumps({inv.name: figures.schema(inv.figures) for inv in _builtin()}, indent=2),
         "```",
     ]
     return "\n".join(lines) + "\n"

@@ -304,3 +304,19 @@ def test_default_output_is_capped_and_verbose_shows_everything() -> None:
     assert "... 3 more sites (-v shows all)" in short
     full = report.render(verbose=True)
     assert "finding 7" in full and "site 5" in full and "more" not in full
+
+
+def test_a_figure_named_like_the_process_merge_is_an_ordinary_junit_property() -> None:
+    from pytest_torchperf.results import junit_properties
+
+    # no_oversubscription counts "ranks"; the per-process merge lives in "processes", never in the figures.
+    alone = CheckResult("no_oversubscription", "passed", "ok", 0, [], {"ranks": 1, "workers": 2}).to_dict()
+    merged = CheckResult(
+        "no_host_sync", FAILED, "rank 1: 4 syncs", 4, [], {"syncs": 4},
+        {"rank1": {"status": FAILED, "summary": "4 syncs", "figures": {"syncs": 4, "stack": [1]}}},
+    ).to_dict()
+    props = dict(junit_properties({"no_oversubscription": alone, "no_host_sync": merged}))
+    assert props["torchperf.no_oversubscription.ranks"] == 1
+    assert props["torchperf.no_host_sync.rank1.status"] == FAILED
+    assert props["torchperf.no_host_sync.rank1.syncs"] == 4
+    assert "torchperf.no_host_sync.rank1.stack" not in props and "processes" not in alone

@@ -180,8 +180,8 @@ def test_every_rank_checks_buffers_fsdp2_and_sync_dist(pytester: pytest.Pytester
         return tests[name]["runs"][0]["checks"][invariant]
 
     buffers = check("test_ddp_and_fsdp[buggy]", "no_constant_buffer_broadcast")
-    assert set(buffers["figures"]["ranks"]) == {"rank0", "rank1", "main"}
-    assert all(buffers["figures"]["ranks"][r]["status"] == "failed" for r in ("rank0", "rank1"))
+    assert set(buffers["processes"]) == {"rank0", "rank1", "main"}
+    assert all(buffers["processes"][r]["status"] == "failed" for r in ("rank0", "rank1"))
     assert buffers["findings"][0]["title"] == "rank 0, 1: DDP broadcast 1 buffer that never changed"
     built = line_of(pytester.path / "collective_ranks.py", "# BUILT")
     assert buffers["findings"][0]["sites"][0]["site"] == f"collective_ranks.py:{built}"

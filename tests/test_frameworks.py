@@ -401,3 +401,12 @@ def test_accelerate_ranks_from_its_launcher_are_watched(pytester: pytest.Pyteste
     broken = tests["test_by_hand"]["checks"]["no_sync_accumulation"]
     assert broken["status"] == "failed"
     result.stdout.fnmatch_lines([f"*at test_ranks.py:{line} in train*"])
+
+
+def test_the_attribution_package_list_is_every_adapters_own_and_nothing_else() -> None:
+    from pytest_torchperf import frameworks, stacks
+
+    adapters = ("lightning", *frameworks.ADAPTERS)
+    declared = [name for adapter in adapters for name in frameworks.adapter(adapter).PACKAGES]
+    assert frameworks.PACKAGES == tuple(declared)
+    assert stacks.FRAMEWORK_PACKAGES == frameworks.PACKAGES

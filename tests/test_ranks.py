@@ -375,7 +375,7 @@ def test_mp_spawn_torchrun_and_lightning_ddp_spawn_ranks_under_xdist(
     assert ranks["rank 1"]["steps"] == 4 and ranks["rank 1"]["launcher"] == "torch.multiprocessing"
     assert ranks["rank 0"]["pid"] != ranks["rank 1"]["pid"] != ranks["main process"]["pid"]
     buggy = tests["test_mp_spawn[buggy]"]["checks"]["no_host_sync"]
-    assert buggy["figures"]["ranks"]["rank1"]["syncs"] == 4 and buggy["count"] == 8
+    assert buggy["processes"]["rank1"]["figures"]["syncs"] == 4 and buggy["count"] == 8
     assert tests["test_torchrun[clean]"]["outcome"] == "passed"
     assert processes(tests["test_torchrun[buggy]"])["rank 1"]["launcher"] == "torchrun"
 
@@ -471,7 +471,7 @@ def test_lightning_and_fabric_ddp_rerun_the_test_in_each_rank(
     # no_iterator_reset runs in each rank too: each rank's loader started a worker pool every epoch.
     reset = tests["test_ddp_loader_workers[buggy]"]["checks"]["no_iterator_reset"]
     assert reset["status"] == "failed" and reset["summary"].startswith("rank 0, 1: ")
-    assert {k: v["status"] for k, v in reset["figures"]["ranks"].items()} == {"rank0": "failed", "rank1": "failed"}
+    assert {k: v["status"] for k, v in reset["processes"].items()} == {"rank0": "failed", "rank1": "failed"}
     assert tests["test_ddp_loader_workers[clean]"]["checks"]["no_iterator_reset"]["status"] == "passed"
 
 

@@ -49,7 +49,10 @@ def test_identical_findings_of_several_ranks_are_told_once_with_their_ranks() ->
     assert check.summary == "rank 0, 1: 4 syncs at model.py:12: 1 per step over 4 steps"
     assert [f.title for f in check.findings] == ["rank 0, 1: `.item()` in training_step: 1 per step over 4 steps"]
     assert check.count == 8
-    assert check.figures["ranks"]["rank1"] == {"status": FAILED, "summary": check.summary.split(": ", 1)[1], "syncs": 4, "steps": 4}
+    assert check.processes["rank1"] == {
+        "status": FAILED, "summary": check.summary.split(": ", 1)[1], "figures": {"syncs": 4, "steps": 4}
+    }
+    assert "ranks" not in check.figures  # the merge has its own field: no figure name is the engine's
     assert merged.summary_line() == (
         "torchperf: 1 invariant broken: no_host_sync (rank 0, 1: 4 syncs at model.py:12: 1 per step over 4 steps)"
     )

@@ -41,8 +41,19 @@ __all__ = ["ADAPTERS", "PACKAGES", "adapter", "hint", "install"]
 #: The adapters installed with every run, by module name (Lightning's is installed on its own by ``watch``).
 ADAPTERS = ("transformers", "accelerate", "ignite")
 
-#: Import packages whose frames are a training framework's own code (every adapter's ``PACKAGES``).
-PACKAGES = ("transformers", "accelerate", "ignite")
+#: Import packages whose frames are a training framework's own code: every adapter's ``PACKAGES``, Lightning's
+#: first (written out here so that :mod:`pytest_torchperf.stacks` imports no adapter;
+#: ``tests/test_frameworks.py`` holds it equal to the adapters' own).
+PACKAGES = (
+    "pytorch_lightning",
+    "lightning",
+    "lightning_fabric",
+    "lightning_utilities",
+    "torchmetrics",
+    "transformers",
+    "accelerate",
+    "ignite",
+)
 
 
 def adapter(name: str) -> Any:

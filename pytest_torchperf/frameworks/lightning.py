@@ -37,6 +37,8 @@ from .. import core
 from ..patching import Patcher, wraps
 
 __all__ = [
+    "NAME",
+    "PACKAGES",
     "ObservedCall",
     "TrainerCall",
     "install",
@@ -46,6 +48,10 @@ __all__ = [
     "unobserved",
     "stage_label",
 ]
+
+NAME = "lightning"
+#: Lightning's packages, and torchmetrics (its metrics sync on their own schedule).
+PACKAGES = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities", "torchmetrics")
 
 #: Trainer module -> the package it belongs to.
 _TRAINER_MODULES = {

@@ -18,7 +18,7 @@ per step), so CPU runs are not measured.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, TypedDict
 
 from ..clocks import perf_counter
 
@@ -93,6 +93,17 @@ class Growth:
         )
 
 
+class MemoryFigures(TypedDict, total=False):
+    """The allocated-memory figures of the checks that read CUDA memory every step."""
+
+    cuda_memory_reads: int
+    cuda_allocated_first: int
+    cuda_allocated_last: int
+    cuda_memory_growth_per_step: float
+    cuda_memory_grew_in_steps: int
+    cuda_memory_intervals: int
+
+
 class MemoryTrace:
     """Allocated CUDA bytes at the end of each step (see the module's docstring)."""
 
@@ -139,9 +150,9 @@ class MemoryTrace:
         per_step = (points[-1][1] - points[0][1]) / span if span else 0.0
         return Growth(per_step, points[0][1], points[-1][1], grew, len(points) - 1, (points[0][0], points[-1][0]))
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> MemoryFigures:
         growth = self.growth()
-        out: dict[str, Any] = {"cuda_memory_reads": self.reads}
+        out: MemoryFigures = {"cuda_memory_reads": self.reads}
         if self.samples:
             out["cuda_allocated_first"] = self.samples[0][1]
             out["cuda_allocated_last"] = self.samples[-1][1]

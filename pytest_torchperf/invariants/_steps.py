@@ -214,7 +214,7 @@ def step_verdict(
     noted: Sequence[Any],
     allowed: Sequence[Any],
     finding: Callable[[Any, str], Finding],
-    figures: dict[str, Any],
+    figures: Any,  # the caller's Figures (a TypedDict declaring worst_step_<what> and max_<what>_per_step)
     within: Callable[[int, int, Optional[int]], str],
     one_site: Callable[[Any], str],
     many_sites: Callable[[int, int], str],

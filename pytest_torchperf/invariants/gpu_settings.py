@@ -33,7 +33,7 @@ check says when it saw an autocast region in the steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict, Union
 
 from ..arguments import Argument, ArgumentKind, Integer, UsageError, suggest
 from ..core import Check
@@ -212,11 +212,26 @@ class GpuSettingsCheck(Check):
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a gpu_settings verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    target: Union[bool, str]
+    matmul_tf32: bool
+    matmul_precision: str
+    conv_tf32: bool
+    cudnn_benchmark: bool
+    steps: int
+    steps_with_convolutions: int
+    distinct_convolution_shape_sets: int
+    compute_capability: list[int]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="TF32 on for float32 matmuls/convolutions on GPUs that have it, cudnn.benchmark on with fixed conv shapes "
     "(True: the run's GPU; 'ampere'...: judged as on that GPU)",
     check=GpuSettingsCheck,
+    figures=Figures,
     kind=Target(),
     default=None,
     probes=("gpu_settings", "autocast"),

@@ -31,7 +31,7 @@ them) should leave this invariant off.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
@@ -105,7 +105,7 @@ class GradsCheck(Check):
         manual = merge_sites(self.events[MANUAL])
         n_zero_grad = sum(s.count for s in zero_grads)
         n_manual = sum(s.count for s in manual)
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "optimizer_steps": self.optimizer_steps,
             "steps_reusing_grads": self.steps_reusing_grads,
             "most_grads_reused_in_a_step": self.most_reused,
@@ -174,10 +174,21 @@ class GradsCheck(Check):
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a grads_set_to_none verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    optimizer_steps: int
+    steps_reusing_grads: int
+    most_grads_reused_in_a_step: int
+    zero_grad_set_to_none_false: int
+    grads_zeroed_in_place: int
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="gradients are cleared by setting them to None: no zero_grad(set_to_none=False), no .grad.zero_()",
     check=GradsCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("optimizers", "grads"),

@@ -26,7 +26,7 @@ or more calls per step fail.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..core import Check
 from ..frames import StackCache, kind_of, locate
@@ -34,7 +34,7 @@ from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import USER, Stack, site_of, until_user_frame
 from ..text import plural
-from ._counts import BASELINE, BASELINE_FIGURE, CountOrBaseline, StepWindows, counted_entry, per_step
+from ._counts import BASELINE, CountOrBaseline, StepWindows, counted_entry, per_step
 from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, frequency
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class CollectivesCheck(StepWindows, Check):
         from ..probes.collectives import PROBE
 
         steps = self.counted
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "max_collectives_per_step": self.budget, "count_warmup_steps": self.warmup, "counted_steps": steps,
         }
         if "collectives" in PROBE.unavailable:
@@ -172,7 +172,7 @@ class CollectivesCheck(StepWindows, Check):
                     label=site.label, count=sum(site.calls.per_unit.values()),
                     per_step=per_step(sum(site.calls.per_unit.values()), steps),
                 ))
-            figures[BASELINE_FIGURE] = entries
+            figures["baseline_counts"] = entries  # BASELINE_FIGURE: what a baseline compares
             if not entries:
                 summary = f"no collective in every step over {plural(steps, 'counted step')}"
                 return CheckResult(NAME, PASSED, summary, 0, findings, figures)
@@ -230,6 +230,19 @@ def _hint(site: _Site, frame: Optional[Any]) -> str:
     return "a collective on every step: reduce once per epoch or every N steps, or let the framework do it"
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a max_collectives_per_step verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    max_collectives_per_step: Optional[int]
+    count_warmup_steps: int
+    counted_steps: int
+    collectives_per_step: float
+    worst_step_collectives: int
+    bytes_per_step: float
+    per_kind: dict[str, float]
+    baseline_counts: list[dict[str, Any]]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc=(
@@ -237,6 +250,7 @@ INVARIANT = Invariant(
         "this many, or 'baseline' (per site, no more than the baseline file has); periodic ones are notes"
     ),
     check=CollectivesCheck,
+    figures=Figures,
     kind=CountOrBaseline(),
     default=None,
     probes=("collectives", "ddp"),

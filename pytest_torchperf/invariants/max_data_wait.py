@@ -23,7 +23,7 @@ step time, and the report says so.
 from __future__ import annotations
 
 from time import perf_counter as _perf_counter
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Argument
 from ..core import Check
@@ -163,7 +163,7 @@ class DataWaitCheck(Check):
         chosen, unmarked = self._training()
         waits = [self._wait(info, passes) for info, passes in chosen.values()]
         waits = [(w, s) for w, s in waits if w.batches > 0]
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "max_data_wait": self.limit,
             "target_step_s": self.target,
             "data_wait": None,
@@ -223,10 +223,23 @@ class DataWaitCheck(Check):
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a max_data_wait verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    max_data_wait: float
+    target_step_s: Optional[float]
+    data_wait: Optional[float]
+    first_batch_s: Optional[float]
+    batches_per_s: Optional[float]
+    loaders: list[dict[str, Any]]
+    judged: str
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="the training loop waits for its DataLoader's next batch at most this share of its time (e.g. 0.2)",
     check=DataWaitCheck,
+    figures=Figures,
     kind=Share(optional=True),
     default=None,
     arguments=(

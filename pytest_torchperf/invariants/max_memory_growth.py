@@ -26,7 +26,7 @@ from ..probes import optimizers as _optimizers
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding
 from ..text import plural
-from ._memory import WARMUP_STEPS, MemoryTrace, format_bytes
+from ._memory import WARMUP_STEPS, MemoryFigures, MemoryTrace, format_bytes
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -56,7 +56,7 @@ class MemoryGrowthCheck(Check):
             self.cuda_steps += 1
 
     def result(self) -> CheckResult:
-        figures: dict[str, Any] = {"budget_bytes_per_step": self.budget, "steps": self.run.steps}
+        figures: Figures = {"budget_bytes_per_step": self.budget, "steps": self.run.steps}
         figures.update(self.memory.figures())
         if not cuda_available():
             return CheckResult(
@@ -96,6 +96,13 @@ class MemoryGrowthCheck(Check):
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
+class Figures(MemoryFigures, total=False):
+    """The figures of a max_memory_growth verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    budget_bytes_per_step: float
+    steps: int
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc=(
@@ -103,6 +110,7 @@ INVARIANT = Invariant(
         "(steady growth after the first 2 steps fails; not checked on CPU)"
     ),
     check=MemoryGrowthCheck,
+    figures=Figures,
     kind=Integer(minimum=0),
     default=None,
     probes=("optimizers",),

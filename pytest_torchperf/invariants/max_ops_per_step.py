@@ -26,7 +26,7 @@ with a CPU run's.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Argument, Integer
 from ..core import Check
@@ -34,7 +34,7 @@ from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Frame, site_of
 from ..text import plural
-from ._counts import BASELINE, BASELINE_FIGURE, CountOrBaseline, StepWindows, counted_entry, per_step
+from ._counts import BASELINE, CountOrBaseline, StepWindows, counted_entry, per_step
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -153,7 +153,7 @@ class OpsCheck(StepWindows, Check):
 
     def result(self) -> CheckResult:
         steps = len(self.step_totals)
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "max_ops_per_step": self.budget,
             "count_warmup_steps": self.warmup,
             "steps_seen": self.windows,
@@ -200,7 +200,7 @@ class OpsCheck(StepWindows, Check):
                     NAME, function="kernel launches", source="cuda", count=kernels.launches,
                     per_step=float(kernels.launches), label="one profiled step",
                 ))
-            figures[BASELINE_FIGURE] = entries
+            figures["baseline_counts"] = entries  # BASELINE_FIGURE: what a baseline compares
             summary = (
                 f"{_number(mean)} ATen ops per step ({len(ops)} distinct) {over}: the counts per op are "
                 "compared with the baseline file (--torchperf-baseline; write it with --torchperf-baseline-update)"
@@ -284,6 +284,23 @@ _FOREACH = frozenset((
 ))
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a max_ops_per_step verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    max_ops_per_step: Optional[int]
+    count_warmup_steps: int
+    steps_seen: int
+    counted_steps: int
+    count_steps: Optional[int]
+    ops_per_step: float
+    worst_step_ops: int
+    distinct_ops: int
+    ops: dict[str, float]
+    kernel_launches_per_step: Optional[float]
+    kernel_launches_missing: str
+    baseline_counts: list[dict[str, Any]]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc=(
@@ -291,6 +308,7 @@ INVARIANT = Invariant(
         "or 'baseline': per op, no more than the baseline file has"
     ),
     check=OpsCheck,
+    figures=Figures,
     kind=CountOrBaseline(),
     default=None,
     probes=("ops",),

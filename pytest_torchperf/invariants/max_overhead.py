@@ -9,6 +9,8 @@ observed ``Trainer.fit`` calls and replays them after the test body, unwatched.
 
 from __future__ import annotations
 
+from typing import Any, Optional, TypedDict
+
 from ..arguments import Argument, Choice, Integer, Share
 from ..options import OVERHEAD_INCONCLUSIVE, OVERHEAD_MAX_ROUNDS, OVERHEAD_MIN_ROUNDS, OVERHEAD_ROUNDS
 from ..overhead.check import OverheadCheck
@@ -16,10 +18,20 @@ from ..registry import Invariant
 
 NAME = "max_overhead"
 
+class Figures(TypedDict, total=False):
+    """The figures of a max_overhead verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    fits: list[dict[str, Any]]
+    overhead: float
+    interval: list[Optional[float]]
+    max_overhead: float
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="epoch time within this fraction of a vanilla PyTorch loop (e.g. 0.10)",
     check=OverheadCheck,
+    figures=Figures,
     kind=Share(above=0.0, unit="a fraction: 0.10 means 10%"),
     default=None,
     arguments=(

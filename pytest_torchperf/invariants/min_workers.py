@@ -10,7 +10,7 @@ each was built, comes from the DataLoader probe (:mod:`pytest_torchperf.probes.l
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Integer
 from ..core import Check
@@ -60,7 +60,7 @@ class MinWorkersCheck(Check):
     def result(self) -> CheckResult:
         loaders = self.log.training_loaders()
         few = [r for r in loaders if r.num_workers < self.minimum]
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "min_workers": self.minimum,
             "training_loaders": len(loaders),
             "loaders_below_minimum": len(few),
@@ -86,10 +86,21 @@ class MinWorkersCheck(Check):
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a min_workers verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    min_workers: int
+    training_loaders: int
+    loaders_below_minimum: int
+    fewest_workers: Optional[int]
+    loaders: list[dict[str, Any]]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="every training DataLoader has at least this many worker processes (num_workers)",
     check=MinWorkersCheck,
+    figures=Figures,
     kind=Integer(minimum=1),
     default=None,
     probes=("loaders",),

@@ -24,7 +24,7 @@ that reason: float32 is the norm on a CPU.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
@@ -105,7 +105,7 @@ class PrecisionCheck(Check):
     def result(self) -> CheckResult:
         total = sum(self.steps.values())
         device = sorted(self.devices)[0] if self.devices else ACCELERATORS[0]
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "accelerator_available": cuda_available(),
             "optimizer_steps": total,
             "float32_steps": self.steps["float32"],
@@ -162,10 +162,26 @@ class PrecisionCheck(Check):
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a mixed_precision verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    accelerator_available: bool
+    optimizer_steps: int
+    float32_steps: int
+    mixed_steps: int
+    half_precision_steps: int
+    steps_on_other_devices: int
+    autocast_regions: int
+    autocast_dtypes: list[str]
+    weight_dtypes: list[str]
+    trainer_precision: Any
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="on a GPU, training steps run under autocast or in 16-bit (not applicable on CPU)",
     check=PrecisionCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("optimizers", "autocast"),

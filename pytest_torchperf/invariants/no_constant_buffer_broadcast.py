@@ -18,7 +18,7 @@ values over at least two broadcasts is constant.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from .. import core
 from ..arguments import Flag
@@ -100,7 +100,7 @@ class ConstantBufferCheck(Check):
 
     def result(self) -> CheckResult:
         broadcasts = sum(m.broadcasts for m in self.modules.values())
-        figures: dict[str, Any] = {"ddp_modules": len(self.modules), "buffer_broadcasts": broadcasts}
+        figures: Figures = {"ddp_modules": len(self.modules), "buffer_broadcasts": broadcasts}
         figures["ddp_forwards"] = self.forwards
         if not self.modules and self.forwards:
             return CheckResult(
@@ -187,10 +187,20 @@ def _flag() -> str:
     return "forward_sync_buffers" if "forward_sync_buffers" in names else "broadcast_buffers"
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_constant_buffer_broadcast verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    ddp_modules: int
+    buffer_broadcasts: int
+    ddp_forwards: int
+    constant_bytes_broadcast: int
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="DDP does not broadcast module buffers that never change before every forward (broadcast_buffers=False)",
     check=ConstantBufferCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("collectives", "ddp"),

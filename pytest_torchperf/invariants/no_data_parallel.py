@@ -26,7 +26,7 @@ Seen three ways, so it is caught on a CPU-only machine (where
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
@@ -155,7 +155,7 @@ class DataParallelCheck(Check):
     def result(self) -> CheckResult:
         instances = list(self._instances.values())
         forwards = sum(r.forwards for r in instances)
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "data_parallel_modules": len(instances),
             "forward_calls": forwards,
             "lightning_strategy": self.strategies[0] if self.strategies else None,
@@ -187,10 +187,20 @@ class DataParallelCheck(Check):
         return CheckResult(NAME, PASSED, "no DataParallel in the run", 0, [], figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_data_parallel verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    data_parallel_modules: int
+    forward_calls: int
+    lightning_strategy: Optional[str]
+    modules: list[dict[str, Any]]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="no torch.nn.DataParallel in the run (use DistributedDataParallel)",
     check=DataParallelCheck,
+    figures=Figures,
     kind=Flag(),
     default=True,
     probes=("data_parallel",),

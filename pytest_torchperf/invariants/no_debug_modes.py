@@ -29,7 +29,7 @@ Nsight attached from outside) are not seen.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, TypedDict
 
 from .. import trace
 from ..arguments import Argument, Flag
@@ -147,7 +147,7 @@ class DebugModesCheck(Check):
         return Finding(title, facts, sites, _HINT[mode])
 
     def result(self) -> CheckResult:
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "steps": self.steps,
             "modes": {mode: seen.steps for mode, seen in self.modes.items()},
             "allow_deterministic": self.allow_deterministic,
@@ -166,11 +166,20 @@ class DebugModesCheck(Check):
         return CheckResult(NAME, PASSED, summary, 0, findings, figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_debug_modes verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    steps: int
+    modes: dict[str, int]
+    allow_deterministic: bool
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="no debugging switch left on in the training steps: anomaly detection, the autograd profiler, "
     "CUDA_LAUNCH_BLOCKING (deterministic algorithms: a note)",
     check=DebugModesCheck,
+    figures=Figures,
     kind=Flag(),
     default=True,
     probes=("debug_modes",),

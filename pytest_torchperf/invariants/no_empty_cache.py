@@ -23,7 +23,7 @@ import empty_cache``) is not seen.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Argument, Flag, Fraction
 from ..core import Check
@@ -114,7 +114,7 @@ class EmptyCacheCheck(Check):
         framework_sites = merge_sites([Site("framework call", s) for s in self.framework])
         calls = sum(s.count for s in sites)
         count = sum(s.count for s in failing)
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "calls": calls,
             "calls_in_scope": self.in_scope,
             "periodic_calls": calls - count,
@@ -135,10 +135,23 @@ class EmptyCacheCheck(Check):
         return CheckResult(NAME, FAILED, summary, count, findings, figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_empty_cache verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    calls: int
+    calls_in_scope: int
+    periodic_calls: int
+    max_empty_cache_rate: float
+    steps: int
+    framework_calls: int
+    framework_sites: list[Any]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="no torch.cuda.empty_cache() call by your code in the steps (a call on a period is a note)",
     check=EmptyCacheCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("cuda_cache", "iterators"),

@@ -28,7 +28,7 @@ reported with the reason dynamo gives, once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional, TypedDict
 
 from ..arguments import Argument, Flag, Integer
 from ..core import Check
@@ -138,7 +138,7 @@ class GraphBreakCheck(Check):
 
     def result(self) -> CheckResult:
         sites = list(self.sites.values())
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "compiles": self.compiles,
             "graph_breaks": len(sites),
             "graph_breaks_taken": sum(s.count for s in sites),
@@ -172,10 +172,22 @@ class GraphBreakCheck(Check):
         return CheckResult(NAME, PASSED, summary, 0, findings, figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_graph_breaks verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    compiles: int
+    graph_breaks: int
+    graph_breaks_taken: int
+    graph_breaks_outside_steps: int
+    max_graph_breaks: Optional[int]
+    reasons: list[str]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="a torch.compile'd training step is one graph: no graph break while it compiles",
     check=GraphBreakCheck,
+    figures=Figures,
     kind=Flag(),
     default=True,
     probes=("recompiles", "graph_breaks"),

@@ -73,7 +73,7 @@ from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Stack
 from ..text import plural
 from ._graphs import NO_SEQUENCE, Scan, find_holders, frame_locals, scan, sequence_now, tag_graph, tensors_of
-from ._memory import MemoryTrace, format_bytes
+from ._memory import MemoryFigures, MemoryTrace, format_bytes
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -505,8 +505,8 @@ class GraphRetentionCheck(Check):
             findings[-1].facts.append("the scan stopped after 200000 graph nodes: the figures are lower bounds")
         return findings
 
-    def _figures(self) -> dict[str, Any]:
-        figures: dict[str, Any] = {
+    def _figures(self) -> Figures:
+        figures: Figures = {
             "steps": self.run.steps,
             "steps_tracked": self.tagged_steps,
             "steps_judged": len(self.judged),
@@ -579,10 +579,35 @@ def _spread(indices: list[int], k: int) -> list[int]:
     return sorted(picked)
 
 
+class Figures(MemoryFigures, total=False):
+    """The figures of a no_graph_retention verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    steps: int
+    steps_tracked: int
+    steps_judged: int
+    graph_nodes_tagged: int
+    module_outputs_tagged: int
+    backward_passes: int
+    backward_passes_sampled: int
+    sampling_ms: float
+    steps_retained: int
+    scans: int
+    scan_ms: float
+    retained_tensors: int
+    retained_graph_nodes: int
+    retained_saved_bytes: int
+    retained_tensors_per_step: float
+    retained_nodes_per_step: float
+    retained_saved_bytes_per_step: float
+    holders: list[str]
+    scanned_at_step: Optional[int]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="no tensor carrying an autograd graph built in a training step is still reachable after the next step",
     check=GraphRetentionCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("graphs",),

@@ -18,7 +18,7 @@ epoch, once) is a note with its rate, as are library syncs (unless
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from .. import frameworks
 from ..allow import AllowList
@@ -331,7 +331,7 @@ class HostSyncCheck(Check):
         periodic_count = sum(s.count for s in periodic)
         allowed_count = sum(s.count for s in allowed)
         cuda_seen = any(s.devices - {WOULD} for s in sites)
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "scope": run.scope,
             "steps": total,
             "syncs": user_count,
@@ -375,10 +375,30 @@ class HostSyncCheck(Check):
         )
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_host_sync verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    scope: str
+    steps: int
+    syncs: int
+    sites: int
+    periodic_syncs: int
+    max_sync_rate: float
+    framework_syncs: int
+    allowed_syncs: int
+    host_tensor_reads: int
+    mode: str
+    not_watched: list[str]
+    events: list[dict[str, Any]]
+    worst_step_syncs: int
+    max_syncs_per_step: Optional[int]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="no GPU->CPU synchronisation inside the scope (a site that syncs on a period is a note)",
     check=HostSyncCheck,
+    figures=Figures,
     kind=Flag(),
     default=True,
     probes=("tensors", "syncs", "iterators"),

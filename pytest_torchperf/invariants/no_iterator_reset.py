@@ -26,7 +26,7 @@ line that built it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
@@ -329,7 +329,7 @@ class IteratorResetCheck(Check):
             extra_total += len(rebuilt_extra)
             findings.append(self._rebuilt_finding(group, rebuilt_extra))
         pools_total = sum(len(r.pools()) for r in with_workers)
-        figures = {
+        figures: Figures = {
             "loaders_with_workers": len(with_workers),
             "loaders_without_workers": len(self._loaders) - len(with_workers),
             "pools_started": pools_total,
@@ -371,10 +371,23 @@ class IteratorResetCheck(Check):
 
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_iterator_reset verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    loaders_with_workers: int
+    loaders_without_workers: int
+    pools_started: int
+    extra_pools: int
+    loaders: list[dict[str, Any]]
+    rebuilt_pools_lost_s: float
+    rebuilt_pools_lost_share: float
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="each DataLoader with workers starts its worker pool at most once",
     check=IteratorResetCheck,
+    figures=Figures,
     kind=Flag(),
     default=True,
     probes=("iterators", "loaders", "batches"),

@@ -30,7 +30,7 @@ named as their risk; inter-op threads and idle pools are not counted.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
@@ -113,7 +113,7 @@ class OversubscriptionCheck(Check):
         workers = self._workers()
         per_rank = self.main + workers
         total = per_rank * self.ranks
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "cores": cores,
             "main_threads": self.main,
             "dataloader_workers": workers,
@@ -145,11 +145,23 @@ class OversubscriptionCheck(Check):
         return CheckResult(NAME, FAILED, title, 1, [finding], figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_oversubscription verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    cores: int
+    main_threads: int
+    dataloader_workers: int
+    threads_per_worker: int
+    ranks: int
+    threads: int
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="the main process, its DataLoader workers and the ranks on this machine ask for no more CPU threads "
     "than the cores they may use",
     check=OversubscriptionCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("threads", "iterators"),

@@ -39,7 +39,7 @@ import re
 import sys
 from dataclasses import dataclass
 from types import CodeType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Argument, Flag, Integer
 from ..core import Check
@@ -247,7 +247,7 @@ class RecompileCheck(Check):
         for e in self.recompiles:
             key = (e.code.co_filename, e.code.co_firstlineno, e.code.co_name)
             by_function.setdefault(key, []).append(e)
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "compiles": self.compiles,
             "recompiles": len(self.recompiles) - len(limits),
             "recompiles_in_warmup": len(self.recompiles) - len(limits) - len(after),
@@ -307,10 +307,25 @@ def _limit_value(name: str) -> Any:
     return getattr(config, name, "?")
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_recompiles verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    compiles: int
+    recompiles: int
+    recompiles_in_warmup: int
+    recompiles_after_warmup: int
+    recompile_limit_hits: int
+    warmup: str
+    ragged_batch_recompiles: int
+    dynamo_resets: int
+    functions: list[dict[str, Any]]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="torch.compile'd code is not compiled again after warm-up (the first compile of each mode)",
     check=RecompileCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("loaders", "recompiles"),

@@ -20,7 +20,7 @@ own decisions, not network traffic (checked against a counting comm hook).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
@@ -131,7 +131,7 @@ class SyncAccumulationCheck(Check):
         rounds = sum(r for _, r in steps)
         extra = sum(max(r - 1, 0) for _, r in steps)
         worst = max((r for _, r in steps), default=0)
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "ddp_forwards": self.forwards,
             "optimizer_steps": len(steps),
             "micro_batches": micro,
@@ -207,6 +207,18 @@ class SyncAccumulationCheck(Check):
         )
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_sync_accumulation verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    ddp_forwards: int
+    optimizer_steps: int
+    micro_batches: int
+    all_reduce_rounds: int
+    extra_rounds: int
+    max_rounds_per_step: int
+    gradient_bytes_per_round: int
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc=(
@@ -214,6 +226,7 @@ INVARIANT = Invariant(
         "(no_sync / set_requires_gradient_sync(False))"
     ),
     check=SyncAccumulationCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("ddp", "optimizers", "fsdp"),

@@ -21,7 +21,7 @@ A DDP with ``static_graph=True`` does not search each step and passes.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from .. import core
 from ..arguments import Flag
@@ -132,7 +132,7 @@ class UnusedParametersCheck(Check):
     def result(self) -> CheckResult:
         modules = list(self._modules.values())
         searching = [m for m in modules if m.searching]
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "ddp_modules": len(modules),
             "searching_modules": len(searching),
             "modules": [],
@@ -215,10 +215,20 @@ class UnusedParametersCheck(Check):
         )
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a no_unused_parameters_search verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    ddp_modules: int
+    searching_modules: int
+    modules: list[dict[str, Any]]
+    iterations: int
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="no DDP find_unused_parameters=True search when every parameter gets a gradient every step",
     check=UnusedParametersCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("ddp", "optimizers"),

@@ -31,7 +31,7 @@ of a DataLoader (and is not pinned) is reported too, at the line that copied it.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..allow import AllowList
 from ..arguments import Argument, Flag, Fraction, Integer, SiteList
@@ -400,7 +400,7 @@ class DevicePlacementCheck(Check):
         framework = [c for c in copies if not c.by_user and not c.allowed_by]
         noted = periodic + inputs + framework
         allowed = [c for c in copies if c.allowed_by]
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "scope": run.scope,
             "steps": total,
             "host_built_copies": sum(c.count for c in failing),
@@ -452,10 +452,28 @@ def _is_pinned(tensor: Any) -> bool:
         return False
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a on_device verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    scope: str
+    steps: int
+    host_built_copies: int
+    sites: int
+    periodic_copies: int
+    input_copies: int
+    max_copy_rate: float
+    framework_copies: int
+    allowed_copies: int
+    events: list[dict[str, Any]]
+    worst_step_copies: int
+    max_copies_per_step: Optional[int]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="tensors are created on the device, not built on the host and copied",
     check=DevicePlacementCheck,
+    figures=Figures,
     kind=Flag(),
     default=True,
     probes=("tensors", "iterators"),

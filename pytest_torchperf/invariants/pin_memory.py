@@ -11,7 +11,7 @@ blamed. Which loaders feed training comes from :mod:`pytest_torchperf.probes.loa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
@@ -67,7 +67,7 @@ class PinMemoryCheck(Check):
         on = sorted(d for d in self.steps_on if d in ACCELERATORS)
         available = cuda_available()
         unpinned = [r for r in loaders if not r.pin_memory and r.batch_device is None]
-        figures: dict[str, Any] = {
+        figures: Figures = {
             "accelerator_available": available,
             "trained_on": sorted(self.steps_on),
             "training_loaders": len(loaders),
@@ -101,10 +101,21 @@ class PinMemoryCheck(Check):
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a pin_memory verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    accelerator_available: bool
+    trained_on: list[str]
+    training_loaders: int
+    unpinned_loaders: int
+    loaders: list[dict[str, Any]]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="on a CUDA run, every training DataLoader pins its batches (not applicable on CPU)",
     check=PinMemoryCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("loaders", "optimizers"),

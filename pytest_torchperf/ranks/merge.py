@@ -13,7 +13,7 @@ them, invariant by invariant:
 - passed when every rank passed it (the main process of a spawn launcher trains
   nothing: its own "not checked" is left out once ranks reported).
 
-Per-process figures stay under ``figures["ranks"]`` (``rank0``, ``rank1``,
+Per-process verdicts and figures stay in the result's ``processes`` (``rank0``, ``rank1``,
 ``main``); the top-level figures are those of the process that decided the
 verdict (the first that failed, else the first reported).
 """
@@ -137,7 +137,8 @@ def merge_check(name: str, parts: list[Part]) -> CheckResult:
     """One verdict on invariant ``name`` over ``parts`` (see the module's docstring)."""
     every = [(part, _result(part, name)) for part in parts]
     per_process = {
-        part.key: {"status": check.status, "summary": check.summary, **check.figures} for part, check in every
+        part.key: {"status": check.status, "summary": check.summary, "figures": dict(check.figures)}
+        for part, check in every
     }
     ranked = [(p, c) for p, c in every if p.rank is not None]
     results = every
@@ -171,9 +172,8 @@ def merge_check(name: str, parts: list[Part]) -> CheckResult:
         summary = _grouped_summary(results, with_status=True) if results else "no process checked it"
         count = 0
         ordered = results
-    figures: dict[str, Any] = dict(deciding[0][1].figures) if deciding else {}
-    figures["ranks"] = per_process
-    return CheckResult(name, status, summary, count, _findings(ordered), figures)
+    figures = dict(deciding[0][1].figures) if deciding else {}
+    return CheckResult(name, status, summary, count, _findings(ordered), figures, per_process)
 
 
 def merge(parts: list[Part]) -> RankedReport:

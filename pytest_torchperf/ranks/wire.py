@@ -43,7 +43,8 @@ def _check(check: CheckResult) -> dict[str, Any]:
         "summary": check.summary,
         "count": check.count,
         "findings": [_finding(f) for f in check.findings],
-        "figures": check.figures,
+        "figures": dict(check.figures),
+        "processes": check.processes,
     }
 
 
@@ -72,7 +73,8 @@ def report_from_data(data: dict[str, Any]) -> Report:
             for f in c.get("findings", [])
         ]
         report.checks[c["name"]] = CheckResult(
-            c["name"], c["status"], c["summary"], c.get("count", 0), findings, dict(c.get("figures", {}))
+            c["name"], c["status"], c["summary"], c.get("count", 0), findings, dict(c.get("figures", {})),
+            dict(c.get("processes", {})),
         )
     report.internal_errors = dict(data.get("internal_errors", {}))
     return report
