@@ -4,7 +4,8 @@ One pytester subprocess per output mode (JUnit XML, JSON, annotations and trace;
 baseline update; the baseline compared under ``-n 2`` with JUnit XML and JSON) runs one generated file:
 a plain loop whose DataLoader has workers and a Lightning fit, each once with all the invariants on; the
 first mode also once per invariant switched on alone (all together, every invariant's figures still go
-through every mode). What must hold whatever the verdicts: no INTERNALERROR, no error in setup or teardown, the exit code of a
+through every mode). What must hold whatever the verdicts: no INTERNALERROR, no error in setup or
+teardown, the exit code of a
 session whose tests failed (or passed, report-only), and every figure in the JSON declared by its
 invariant with the declared type.
 """

@@ -30,7 +30,7 @@ Copies made by a library's code are notes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
@@ -173,9 +173,9 @@ class CopyHygieneCheck(Check):
         patterns = list(self._patterns.values())
         failing = [p for p in patterns if p.by_user]
         noted = [p for p in patterns if not p.by_user]
-        figures: dict[str, Any] = {"scope": run.scope, "steps": total, "non_blocking_copies": self.copies}
+        figures: Figures = {"scope": run.scope, "steps": total, "non_blocking_copies": self.copies}
         for kind in KINDS:
-            figures[kind] = sum(p.count for p in failing if p.kind == kind)
+            figures[kind] = sum(p.count for p in failing if p.kind == kind)  # type: ignore[literal-required]
         figures["sites"] = len(failing)
         figures["framework_copies"] = sum(p.count for p in noted)
         figures["events"] = [p.to_dict(total) for p in patterns]
@@ -207,11 +207,26 @@ def _pinned(tensor: Any) -> bool:
         return False
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a copy_hygiene verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    scope: str
+    steps: int
+    non_blocking_copies: int
+    unpinned_non_blocking_copies: int
+    unsynchronised_reads: int
+    pin_memory_in_step: int
+    sites: int
+    framework_copies: int
+    events: list[dict[str, Any]]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="no non_blocking copy from unpinned memory, no device-to-host non_blocking result read before a "
         "synchronisation, no .pin_memory() inside the step",
     check=CopyHygieneCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("tensors", "syncs", "loaders"),

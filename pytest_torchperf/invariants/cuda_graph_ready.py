@@ -31,7 +31,7 @@ Blockers in a library's code inside the step are notes; the user's fail.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
@@ -264,9 +264,9 @@ class CudaGraphReadyCheck(Check):
         blockers = sorted(self._blockers.values(), key=lambda b: b.order)
         failing = [b for b in blockers if b.by_user]
         noted = [b for b in blockers if not b.by_user]
-        figures: dict[str, Any] = {"scope": run.scope, "steps": total}
+        figures: Figures = {"scope": run.scope, "steps": total}
         for kind in KINDS:
-            figures[kind] = sum(b.count for b in failing if b.kind == kind)
+            figures[kind] = sum(b.count for b in failing if b.kind == kind)  # type: ignore[literal-required]
         figures.update({
             "blockers": sum(b.count for b in failing),
             "sites": len(failing),
@@ -297,11 +297,32 @@ def _shapes(shape: tuple[Any, ...]) -> str:
     return ", ".join("x".join(str(d) for d in s) or "scalar" for s in shape) or "no tensor"
 
 
+class Figures(TypedDict, total=False):
+    """The figures of a cuda_graph_ready verdict (see :mod:`pytest_torchperf.figures`)."""
+
+    scope: str
+    steps: int
+    host_syncs: int
+    dynamic_shapes: int
+    synchronize_calls: int
+    empty_cache_calls: int
+    host_copies: int
+    cpu_randomness: int
+    non_capturable_optimizers: int
+    shape_changes: int
+    blockers: int
+    sites: int
+    framework_blockers: int
+    first_blocker: Optional[str]
+    events: list[dict[str, Any]]
+
+
 INVARIANT = Invariant(
     name=NAME,
     doc="each training step would capture into a CUDA graph: no sync, dynamic shape, in-step host copy, host "
         "randomness, non-capturable optimizer or changing input shape",
     check=CudaGraphReadyCheck,
+    figures=Figures,
     kind=Flag(),
     default=False,
     probes=("tensors", "syncs", "cuda_cache", "optimizers", "loaders"),
