@@ -80,17 +80,24 @@ import torch
 info["torch"] = torch.__version__
 info["torch_cuda"] = torch.version.cuda
 info["cuda_available"] = torch.cuda.is_available()
-if info["cuda_available"]:
-    p = torch.cuda.get_device_properties(0)
+try:
+    p = torch.cuda.get_device_properties(0) if info["cuda_available"] else None
+except Exception as exc:
+    info["cuda_error"], p = repr(exc), None
+if p is not None:
     info["device"] = p.name
     info["capability"] = "%d.%d" % (p.major, p.minor)
     info["memory_gib"] = round(p.total_memory / 2**30, 1)
     info["device_count"] = torch.cuda.device_count()
     info["cudnn"] = torch.backends.cudnn.version()
-    info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+    try:
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:
+        info["nccl"] = None
 include = os.path.join(os.path.dirname(torch.__file__), "include")
 calls = []
-for path in sorted(glob.glob(os.path.join(include, "c10", "cuda", "*.h")) + glob.glob(os.path.join(include, "ATen", "cuda", "*.h"))):
+headers = [h for sub in ("c10", "ATen") for h in glob.glob(os.path.join(include, sub, "cuda", "*.h"))]
+for path in sorted(headers):
     try:
         lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
     except OSError:
@@ -119,7 +126,7 @@ class Runner:
     def __init__(self, log: Path, deadline: float) -> None:
         self.log = log
         self.deadline = deadline
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # RLock: the SIGTERM handler may run while this thread holds it
         self.active: set[subprocess.Popen[bytes]] = set()
 
     def left(self) -> float:
@@ -149,7 +156,10 @@ class Runner:
         seconds = round(time.monotonic() - began, 1)
         self._write(name, command, text + f"\n[{name}: rc {proc.returncode}, {seconds} s"
                                           f"{', timed out' if timed_out else ''}]\n")
-        status = f"timed out after {limit:.0f} s" if timed_out else ("ok" if proc.returncode == 0 else f"rc {proc.returncode}")
+        if timed_out:
+            status = f"timed out after {limit:.0f} s"
+        else:
+            status = "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
         return {"rc": None if timed_out else proc.returncode, "seconds": seconds, "output": text, "status": status}
 
     def kill_all(self) -> None:
@@ -174,7 +184,8 @@ def make_stub(where: Path) -> Path:
     """A ``site`` folder whose metadata declares the plugin's entry points (the package itself stays in the tree)."""
     site = where / "site"
     version = re.search(r'__version__\s*=\s*"([^"]+)"', (ROOT / "pytest_torchperf" / "_version.py").read_text())
-    _dist_info(site, "pytest-torchperf", version.group(1) if version else "0", "[pytest11]\ntorchperf = pytest_torchperf.plugin\n")
+    entry_points = "[pytest11]\ntorchperf = pytest_torchperf.plugin\n"
+    _dist_info(site, "pytest-torchperf", version.group(1) if version else "0", entry_points)
     return site
 
 
@@ -186,7 +197,8 @@ def make_custom_invariant_stub(where: Path) -> Optional[Path]:
         return None
     project = tomllib.loads((CUSTOM_INVARIANT / "pyproject.toml").read_text())["project"]
     groups = project.get("entry-points", {})
-    text = "".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()) for group, points in groups.items())
+    text = "".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items())
+                   for group, points in groups.items())
     site = where / "custom-site"
     _dist_info(site, project["name"], project["version"], text)
     return site
@@ -282,6 +294,8 @@ def cuda_cell(record: Optional[dict[str, Any]], line: str) -> tuple[str, Optiona
     at_line = [w for w in warnings_ if w["where"] == line]
     others = [f"{w['where']} ×{w['count']}" for w in warnings_ if w["where"] != line]
     text = f"warns ×{at_line[0]['count']}" if at_line else "silent"
+    if at_line and at_line[0].get("via"):
+        text += f" (raised inside {', '.join(at_line[0]['via'][:2])})"
     if others:
         text += " (also " + "; ".join(others[:3]) + ")"
     return text, bool(at_line)
@@ -295,7 +309,8 @@ def agreement(plugin: Optional[bool], cuda: Optional[bool], pattern: gpu_corpus.
         return "yes", ""
     side = "cuda" if cuda else "plugin"
     default = ("DEFECT: CUDA reports a sync the plugin misses" if cuda else
-               "the plugin reports a sync CUDA does not see: a wrong CPU-side proxy or a gap of the debug mode (unexplained)")
+               "the plugin reports a sync CUDA does not see: a wrong CPU-side proxy or a gap of the debug mode "
+               "(unexplained)")
     return ("no: CUDA only" if cuda else "no: plugin only"), pattern.gaps.get(side, default)
 
 
@@ -308,7 +323,7 @@ class Summary:
         self.dry_run = dry_run
         self.budget = budget
         self.began = time.monotonic()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # RLock: the SIGTERM handler may run while this thread holds it
         self.info: dict[str, Any] = {}
         self.parts: dict[str, dict[str, Any]] = {}
         self.corpus: dict[str, list[dict[str, Any]]] = {}
@@ -342,15 +357,19 @@ class Summary:
         lines = [f"# {title}", "",
                  f"{i.get('date', '?')}; {elapsed:.0f} s so far of a {self.budget:.0f} s budget; "
                  f"parts finished: {', '.join(self.parts) or 'none yet'}.", ""]
+        driver = f"{i['driver']}, CUDA {i.get('driver_cuda', '?')}" if i.get("driver") else NO_CUDA
+        capability = f"{i['capability']}, {i.get('memory_gib', '?')} GiB" if i.get("capability") else NO_CUDA
         lines += table(["", ""], [
             ["GPU", i.get("gpu") or i.get("device") or NO_CUDA],
-            ["driver (nvidia-smi)", f"{i.get('driver', '?')}, CUDA {i.get('driver_cuda', '?')}" if i.get("driver") else NO_CUDA],
-            ["compute capability, memory", f"{i.get('capability', '?')}, {i.get('memory_gib', '?')} GiB" if i.get("capability") else NO_CUDA],
+            ["driver (nvidia-smi)", driver],
+            ["compute mode", i.get("compute_mode", NO_CUDA)],
+            ["compute capability, memory", capability],
             ["torch", f"{i.get('torch', '?')} (CUDA {i.get('torch_cuda')}, cuDNN {i.get('cudnn', '-')})"],
             ["Python", f"{i.get('python', '?')} ({i.get('executable', '?')})"],
             ["pytest, Lightning, transformers, accelerate",
              ", ".join(str(i.get(k)) for k in ("pytest", "pytorch-lightning", "transformers", "accelerate"))],
-            ["plugin", f"{i.get('plugin', '?')} from {i.get('plugin_from', 'the working tree')} ({i.get('commit', 'commit unknown')}); "
+            ["plugin", f"{i.get('plugin', '?')} from {i.get('plugin_from', 'the working tree')} "
+                       f"({i.get('commit', 'commit unknown')}); "
                        f"installed copies: {', '.join(i.get('plugin_installed') or []) or 'none'}"],
         ])
         lines += ["", "## Parts", ""]
@@ -391,7 +410,8 @@ class Summary:
 
     def _invariants(self) -> list[str]:
         lines = ["", "## GPU-only invariants on buggy and fixed twins", "",
-                 "`scripts/gpu_invariants.py`: every other invariant off; a twin's verdict against what it should be.", ""]
+                 "`scripts/gpu_invariants.py`: every other invariant off; a twin's verdict against what it "
+                 "should be.", ""]
         rows = []
         for r in self.invariants:
             got = r.get("status")
@@ -401,7 +421,8 @@ class Summary:
                 note += " [" + ", ".join(f"{k} {v}" for k, v in dict(fits).items()) + "]" if fits else ""
             rows.append([r["invariant"], r["twin"], r.get("device"), r.get("expected"), got,
                          "yes" if got == r.get("expected") else "**no**", note, r.get("seconds")])
-        return lines + table(["invariant", "twin", "device", "expected", "verdict", "as expected", "summary", "s"], rows)
+        head = ["invariant", "twin", "device", "expected", "verdict", "as expected", "summary", "s"]
+        return lines + table(head, rows)
 
     def _junit(self, title: str, cases: list[dict[str, str]], expected: Optional[bool]) -> list[str]:
         lines = ["", f"## {title}", ""]
@@ -421,7 +442,8 @@ class Summary:
         if not self.crosschecks:
             return lines + ["(none present, or not run yet)"]
         for c in self.crosschecks:
-            lines += [f"### {c['script']}: {c['status']} ({c['seconds']} s)", "", c["text"].rstrip() or "(no output)", ""]
+            lines += [f"### {c['script']}: {c['status']} ({c['seconds']} s)", "",
+                      c["text"].rstrip() or "(no output)", ""]
         return lines
 
     def _gaps(self) -> list[str]:
@@ -450,12 +472,16 @@ class Check:
         self.runner = Runner(self.out / "log.txt", time.monotonic() + args.budget)
         self.summary = Summary(self.out, self.dry_run, args.budget, args.patterns)
         stub = make_stub(self.tmp)
-        paths = [str(ROOT), str(SCRIPTS), str(stub)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        paths = [str(ROOT), str(SCRIPTS), str(stub)]
+        paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "GPU_CHECK_STUB": str(stub),
                     "PYTHONUNBUFFERED": "1"}
         if self.dry_run:
             self.env["CUDA_VISIBLE_DEVICES"] = ""
         self.device = "cpu" if self.dry_run else "cuda"
+        # One hung test (a collective waiting forever) must not take the rest of its part with it.
+        has_timeout = importlib.util.find_spec("pytest_timeout") is not None and args.python == sys.executable
+        self.per_test_timeout = ["--timeout=100"] if has_timeout else []
 
     def selected(self, part: str) -> bool:
         return part in self.args.parts
@@ -513,7 +539,7 @@ class Check:
     def tests(self) -> None:
         junit = self.tmp / "tests.xml"
         command = [self.python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "cuda_gated", "--cuda-gated", "-q",
-                   "-rs", f"--junitxml={junit}", "tests"]
+                   "-rs", f"--junitxml={junit}", "tests"] + self.per_test_timeout
         result = self.runner.run("CUDA-gated tests", command, self.env, 180)
         with self.summary.lock:
             self.summary.tests = junit_cases(junit)
@@ -531,12 +557,13 @@ class Check:
         runs: list[tuple[str, list[str], dict[str, str]]] = [("examples", list(EXAMPLE_SUITES), self.env)]
         custom = make_custom_invariant_stub(self.tmp)
         if custom is not None:
-            env = dict(self.env, PYTHONPATH=os.pathsep.join([self.env["PYTHONPATH"], str(CUSTOM_INVARIANT), str(custom)]))
+            path = os.pathsep.join([self.env["PYTHONPATH"], str(CUSTOM_INVARIANT), str(custom)])
+            env = dict(self.env, PYTHONPATH=path)
             runs.append(("examples custom_invariant", [str(CUSTOM_INVARIANT / "tests")], env))
         for name, paths, env in runs:
             junit = self.tmp / f"{name.replace(' ', '-')}.xml"
             command = [self.python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:warnings", "-q",
-                       f"--junitxml={junit}", *paths]
+                       f"--junitxml={junit}", *paths] + self.per_test_timeout
             result = self.runner.run(name, command, env, 150)
             cases = junit_cases(junit)
             for case in cases:
@@ -609,7 +636,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", required=True, help="folder for summary.md, results.json and log.txt")
     parser.add_argument("--cpu-dry-run", action="store_true", help="run the same plumbing on a CPU (no CUDA needed)")
     parser.add_argument("--budget", type=float, default=330.0, help="seconds for everything (default 330)")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--patterns", default="", help="corpus patterns to run (default: all)")
     parser.add_argument("--invariants", default="", help="invariant twins to run (default: all)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter with torch (default: this one)")

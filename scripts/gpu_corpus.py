@@ -299,22 +299,37 @@ def run_syncdebug(torch: Any, dev: Any, pattern: Pattern) -> dict[str, Any]:
     ctx = _context(torch, dev)
     batches = _batches(torch, pattern)
     seen: dict[str, dict[str, Any]] = {}
+
+    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if SYNC_WARNING not in str(message):
+            return
+        # The warning names the innermost Python line; a sync inside torch's own Python code (an f-string's
+        # Tensor.__format__) is blamed on the corpus line that called it, as the plugin blames the user's line.
+        where = via = _where(filename, lineno)
+        frame = sys._getframe(1)
+        while frame is not None and os.path.abspath(frame.f_code.co_filename) != os.path.abspath(__file__):
+            frame = frame.f_back
+        if frame is not None and frame.f_code.co_name != "run_syncdebug":
+            where = _where(frame.f_code.co_filename, frame.f_lineno)
+        entry = seen.setdefault(where, {"where": where, "count": 0, "via": set(),
+                                        "message": str(message).splitlines()[0][:160]})
+        entry["count"] += 1
+        if via != where:
+            entry["via"].add(via)
+
     for batch in batches:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record
             previous = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 pattern.step(ctx, batch)
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
-        for w in caught:
-            if SYNC_WARNING not in str(w.message):
-                continue
-            where = _where(w.filename, w.lineno)
-            entry = seen.setdefault(where, {"where": where, "count": 0, "message": str(w.message).splitlines()[0][:160]})
-            entry["count"] += 1
     torch.cuda.synchronize()
+    for entry in seen.values():
+        entry["via"] = sorted(entry["via"])
     return {"warnings": sorted(seen.values(), key=lambda e: -e["count"])}
 
 
