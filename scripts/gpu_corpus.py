@@ -245,15 +245,13 @@ def _context(torch: Any, dev: Any) -> Ctx:
     return Ctx(torch, dev, model, opt, torch.randn(32, 64, device=dev))
 
 
-def _batches(torch: Any, pattern: Pattern) -> list[Any]:
+def _batches(torch: Any, pattern: Pattern) -> Any:
+    """``STEPS`` batches: ``None`` each, or a DataLoader's (iterated in the loop, pinned between the steps)."""
     if pattern.pinned is None:
         return [None] * STEPS
     from torch.utils.data import DataLoader, TensorDataset
 
-    with warnings.catch_warnings():  # pin_memory=True without CUDA warns and does nothing
-        warnings.simplefilter("ignore")
-        loader = DataLoader(TensorDataset(torch.randn(32 * STEPS, 64)), batch_size=32, pin_memory=pattern.pinned)
-        return list(loader)
+    return DataLoader(TensorDataset(torch.randn(32 * STEPS, 64)), batch_size=32, pin_memory=pattern.pinned)
 
 
 def run_plugin(torch: Any, dev: Any, pattern: Pattern) -> dict[str, Any]:
@@ -261,10 +259,11 @@ def run_plugin(torch: Any, dev: Any, pattern: Pattern) -> dict[str, Any]:
     from pytest_torchperf import InvariantViolation, watch
 
     ctx = _context(torch, dev)
-    batches = _batches(torch, pattern)  # pinned outside the steps, as a loader's worker does
+    batches = _batches(torch, pattern)
     run = None
     try:
-        with watch(no_host_sync=True, on_device=True, pin_memory=True) as run:
+        with warnings.catch_warnings(), watch(no_host_sync=True, on_device=True, pin_memory=True) as run:
+            warnings.filterwarnings("ignore", message=".*pin_memory.*")  # pinning without CUDA warns, does nothing
             for batch in batches:
                 with run.step():
                     pattern.step(ctx, batch)
@@ -317,7 +316,7 @@ def run_syncdebug(torch: Any, dev: Any, pattern: Pattern) -> dict[str, Any]:
         if via != where:
             entry["via"].add(via)
 
-    for batch in batches:
+    for batch in batches:  # the debug mode is on inside the steps only, as the plugin has it
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record
