@@ -341,14 +341,14 @@ class Summary:
         return all(p["status"] in ("ok", "no CUDA") for p in self.parts.values())
 
     def write(self) -> None:
-        with self.lock:
+        with self.lock:  # both lanes write: one at a time
             text = "\n".join(self.render()) + "\n"
             data = {"info": self.info, "parts": self.parts, "corpus": self.corpus, "invariants": self.invariants,
                     "tests": self.tests, "examples": self.examples, "crosschecks": self.crosschecks}
-        for name, content in (("summary.md", text), ("results.json", json.dumps(data, indent=1, default=str))):
-            tmp = self.out / f".{name}.tmp"
-            tmp.write_text(content, encoding="utf-8")
-            os.replace(tmp, self.out / name)
+            for name, content in (("summary.md", text), ("results.json", json.dumps(data, indent=1, default=str))):
+                tmp = self.out / f".{name}.tmp"
+                tmp.write_text(content, encoding="utf-8")
+                os.replace(tmp, self.out / name)
 
     def render(self) -> list[str]:
         i = self.info
