@@ -479,9 +479,11 @@ class Check:
         if self.dry_run:
             self.env["CUDA_VISIBLE_DEVICES"] = ""
         self.device = "cpu" if self.dry_run else "cuda"
-        # One hung test (a collective waiting forever) must not take the rest of its part with it.
-        has_timeout = importlib.util.find_spec("pytest_timeout") is not None and args.python == sys.executable
-        self.per_test_timeout = ["--timeout=100"] if has_timeout else []
+        # A module that cannot be imported here (a framework this machine lacks) must not stop the others,
+        # nor one hung test (a collective waiting forever) the rest of its part.
+        self.pytest_options = ["--continue-on-collection-errors"]
+        if importlib.util.find_spec("pytest_timeout") is not None and args.python == sys.executable:
+            self.pytest_options.append("--timeout=100")
 
     def selected(self, part: str) -> bool:
         return part in self.args.parts
@@ -539,7 +541,7 @@ class Check:
     def tests(self) -> None:
         junit = self.tmp / "tests.xml"
         command = [self.python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "cuda_gated", "--cuda-gated", "-q",
-                   "-rs", f"--junitxml={junit}", "tests"] + self.per_test_timeout
+                   "-rs", f"--junitxml={junit}", "tests"] + self.pytest_options
         result = self.runner.run("CUDA-gated tests", command, self.env, 180)
         with self.summary.lock:
             self.summary.tests = junit_cases(junit)
@@ -563,7 +565,7 @@ class Check:
         for name, paths, env in runs:
             junit = self.tmp / f"{name.replace(' ', '-')}.xml"
             command = [self.python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:warnings", "-q",
-                       f"--junitxml={junit}", *paths] + self.per_test_timeout
+                       f"--junitxml={junit}", *paths] + self.pytest_options
             result = self.runner.run(name, command, env, 150)
             cases = junit_cases(junit)
             for case in cases:
@@ -591,6 +593,7 @@ class Check:
 
     def main(self) -> int:
         if self.selected("info") and not self.info():
+            self.summary.part("CUDA", {"rc": 3, "seconds": 0, "status": "torch in this Python cannot use the GPU"})
             print("gpu-check: torch in this Python cannot use the GPU: "
                   f"torch {self.summary.info.get('torch')} (CUDA {self.summary.info.get('torch_cuda')}); "
                   "run it with a Python that has a CUDA build of torch (--python)", file=sys.stderr)
