@@ -54,6 +54,8 @@ import gpu_corpus  # noqa: E402 - beside this script; imports no torch
 
 PARTS = ("info", "corpus", "invariants", "tests", "examples", "crosschecks")
 NO_CUDA = "no CUDA"
+#: Characters of one process's output kept in log.txt (its start and its end).
+LOG_LIMIT = 60_000
 #: Example suites run on the GPU; the seed bug needs pytorch-lightning 1.5 (scripts/run-examples.sh) and no GPU.
 EXAMPLE_SUITES = ("examples/dataloaders", "examples/step_checks", "examples/seed_tips")
 CUSTOM_INVARIANT = ROOT / "examples" / "custom_invariant"
@@ -154,7 +156,11 @@ class Runner:
                 self.active.discard(proc)
         text = out.decode("utf-8", errors="replace")
         seconds = round(time.monotonic() - began, 1)
-        self._write(name, command, text + f"\n[{name}: rc {proc.returncode}, {seconds} s"
+        logged = text
+        if len(text) > LOG_LIMIT:
+            left_out = f"\n[... {len(text) - LOG_LIMIT} characters left out ...]\n"
+            logged = text[: LOG_LIMIT // 5] + left_out + text[-LOG_LIMIT * 4 // 5:]
+        self._write(name, command, logged + f"\n[{name}: rc {proc.returncode}, {seconds} s"
                                           f"{', timed out' if timed_out else ''}]\n")
         if timed_out:
             status = f"timed out after {limit:.0f} s"
