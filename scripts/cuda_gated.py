@@ -1,4 +1,4 @@
-"""pytest plugin for ``scripts/gpu-check.sh``: ``-p cuda_gated --cuda-gated`` keeps only the CUDA-gated tests.
+"""pytest plugin for ``scripts/gpu_check.py``: ``-p cuda_gated --cuda-gated`` keeps only the CUDA-gated tests.
 
 A test is CUDA-gated when a ``skip``/``skipif`` marker on it gives a reason
 that names CUDA or a GPU (``@pytest.mark.skipif(not torch.cuda.is_available(),
