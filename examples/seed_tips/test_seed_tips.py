@@ -110,9 +110,12 @@ def test_empty_cache_fixed(tmp_path):
 
 
 def train(model, run, epochs=2):
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU where there is one
+    model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for _ in range(epochs):
         for x, y in DataLoader(dataset(), batch_size=32):
+            x, y = x.to(device), y.to(device)
             with run.step():
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(model(x), y).backward()

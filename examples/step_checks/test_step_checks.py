@@ -17,6 +17,10 @@ except ImportError:  # the unified `lightning` package
     import lightning.pytorch as pl
 
 
+#: The device a plain loop trains on: the GPU where there is one (Lightning's Trainer picks it by itself).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def loader():
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, 16, generator=generator)
@@ -104,10 +108,11 @@ def test_host_built_noise_fixed(tmp_path):
 
 
 def test_boolean_mask_in_my_loop_buggy(torchperf):
-    model = torch.nn.Linear(16, 1)
+    model = torch.nn.Linear(16, 1).to(DEVICE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     with torchperf.watch() as run:
         for x, y in loader():
+            x, y = x.to(DEVICE), y.to(DEVICE)
             with run.step():
                 err = (model(x) - y).abs()
                 loss = err[err > 0.5].mean()  # the mask's size is data dependent: a sync
@@ -117,10 +122,11 @@ def test_boolean_mask_in_my_loop_buggy(torchperf):
 
 
 def test_boolean_mask_in_my_loop_fixed(torchperf):
-    model = torch.nn.Linear(16, 1)
+    model = torch.nn.Linear(16, 1).to(DEVICE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     with torchperf.watch() as run:
         for x, y in loader():
+            x, y = x.to(DEVICE), y.to(DEVICE)
             with run.step():
                 err = (model(x) - y).abs()
                 keep = (err > 0.5).float()
