@@ -46,6 +46,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+#: Each `scripts/gpu_crosscheck_*.py` gets this long (the CUDA-graph one runs 18 cases, a process each:
+#: about 11 s a case on an H200, so 120 s cut it short at 11 cases).
+CROSSCHECK_SECONDS = 240
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -586,7 +590,8 @@ class Check:
     def crosschecks(self) -> None:
         for script in sorted(SCRIPTS.glob("gpu_crosscheck_*.py")):
             target = self.tmp / f"{script.stem}.out"
-            result = self.runner.run(script.name, [self.python, str(script), "--out", str(target)], self.env, 120)
+            command = [self.python, str(script), "--out", str(target)]
+            result = self.runner.run(script.name, command, self.env, CROSSCHECK_SECONDS)
             text = target.read_text(encoding="utf-8", errors="replace") if target.exists() else ""
             if not text:
                 text = "```text\n" + result["output"][-3000:] + "\n```"
