@@ -133,12 +133,14 @@ def _know_the_project(config: pytest.Config) -> None:
     config.stash[_PROJECT] = True
     stacks.set_display_root(str(config.rootpath))
     settings = config.stash[_SETTINGS]
+    full_stacks = stacks.show_full_stacks(settings.full_stacks)
     named_by = "--torchperf-user-packages" if config.getoption("torchperf_user_packages") else "torchperf_user_packages"
     packages = project.user_packages(str(config.rootpath), settings.user_packages, named_by)
     previous = stacks.classify.set_user_packages(packages)
 
     def restore() -> None:
         stacks.classify.set_user_packages(previous)
+        stacks.show_full_stacks(full_stacks)
 
     config.add_cleanup(restore)
 
