@@ -223,6 +223,13 @@ def test_marker_and_fixture_together_each_report(user_models: pytest.Pytester) -
     result.stdout.fnmatch_lines(
         [
             "*= torchperf summary =*",
+            "FAILED  test_both.py::test_both: no_iterator_reset failed (1 extra worker pool in 1 loader)",
+        ]
+    )
+    verbose = user_models.runpytest("-v")
+    verbose.stdout.fnmatch_lines(
+        [
+            "*= torchperf summary =*",
             "FAILED  test_both.py::test_both",
             "*no_iterator_reset: failed (1 extra worker pool in 1 loader)*",
             "*no_iterator_reset: failed (1 extra worker pool in 1 loader)*",
