@@ -13,7 +13,8 @@ At default verbosity (and ``-q``) it is a session-level block:
   trained and kept it;
 - "N marked tests ran no training (nothing to watch)": a configuration or
   tokenizer test under a suite-wide marker is counted here, never warned about;
-- one line per test that failed, or would fail, on a finding;
+- one line per test that failed, or would fail, on a finding (or whose rank
+  process raised or sent nothing, with that process's line);
 - one line per site of the frameworks' noted events (the same site over many
   tests is one line).
 
@@ -145,7 +146,7 @@ def _test_line(test: dict[str, Any], verdicts: bool) -> Line:
         if missing:
             note += f" (not checked: {', '.join(missing)})"
     text = f"{test['outcome'].upper():7} {test['nodeid']}{note}"
-    if verdicts:
+    if verdicts and (failed or doubtful):
         text += ": " + "; ".join(
             f"{name} {test['checks'][name]['status']} ({test['checks'][name]['summary']})" for name in failed + doubtful
         )
@@ -211,10 +212,10 @@ def session_lines(tests: list[dict[str, Any]], *, detail: bool = False) -> list[
         lines.append(Line(f"torchperf: {plural(idle, 'marked test')} ran no training (nothing to watch)"))
     if not detail:
         for test in tests:
-            if _statuses(test, FAILED) or _statuses(test, INCONCLUSIVE):
+            processes = [line for run in test["runs"] for line in _processes(run)]
+            if _statuses(test, FAILED) or _statuses(test, INCONCLUSIVE) or processes:
                 lines.append(_test_line(test, verdicts=True))
-                for run in test["runs"]:
-                    lines.extend(_processes(run))
+                lines.extend(processes)
     notes = _framework_notes(tests)
     shown = notes if detail else notes[:MAX_NOTES]
     for note in shown:

@@ -211,7 +211,7 @@ def test_lightning_fit_with_persistent_loaders_passes_sanity_check_included(user
             make_trainer(tmp_path, max_epochs=3).fit(TinyModule(), train, val)
         """
     )
-    result = user_models.runpytest("-p", "no:warnings")
+    result = user_models.runpytest("-p", "no:warnings", "-v")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         [
