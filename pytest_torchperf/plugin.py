@@ -28,7 +28,6 @@ from ._lazy import lazy_module
 from .constants import OVERHEAD_ROUNDS
 from .errors import UsageError
 from .settings import Settings, Threads, add_options, apply_threads, resolve_settings, session_defaults
-from .text import plural
 
 if TYPE_CHECKING:
     from . import baseline, results, stacks, summary

@@ -161,7 +161,6 @@ def add_options(parser: pytest.Parser) -> None:
         "only your code, the frameworks' and libraries' frames are shown; ini: torchperf_full_stacks)",
     )
     adoption.add_options(group, _annotations_arg)
-    parser.addini("torchperf_full_stacks", "show every frame of a report's stacks", type="string", default="")
     parser.addini("torchperf_json", "write the torchperf JSON report to this path", type="string", default="")
     parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
     parser.addini("torchperf_report_only", "report broken invariants without failing tests", type="bool", default=False)
@@ -177,6 +176,7 @@ def add_options(parser: pytest.Parser) -> None:
         "torchperf_user_packages", "import packages that are your code even when installed", type="args", default=[]
     )
     adoption.add_ini(parser)
+    parser.addini("torchperf_full_stacks", "show every frame of a report's stacks: true or false", type="string", default="")
 
 
 def resolve_settings(config: pytest.Config) -> Settings:

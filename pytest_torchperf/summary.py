@@ -188,10 +188,8 @@ def _processes(run: dict[str, Any]) -> list[Line]:
         error, missing = process.get("error"), process.get("missing")
         if error:
             where = f" at {error['where']}" if error.get("where") else ""
-            lines.append(Line(
-                f"        {process['process']} (pid {process['pid']}) raised {error['type']}: {error['message']}{where}",
-                "red",
-            ))
+            text = f"{process['process']} (pid {process['pid']}) raised {error['type']}: {error['message']}{where}"
+            lines.append(Line(f"        {text}", "red"))
         elif missing:
             lines.append(Line(f"        {process['process']}: {missing}", "red"))
     return lines
@@ -224,5 +222,6 @@ def session_lines(tests: list[dict[str, Any]], *, detail: bool = False) -> list[
             f"({note.count}x), not your code"
         ))
     if len(shown) < len(notes):
-        lines.append(Line(f"torchperf: ... {len(notes) - len(shown)} more noted sites (-v or the JSON report shows them)"))
+        more = len(notes) - len(shown)
+        lines.append(Line(f"torchperf: ... {more} more noted sites (-v or the JSON report shows them)"))
     return lines

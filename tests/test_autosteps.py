@@ -318,7 +318,9 @@ TRAINS = """
 
 
 @pytest.mark.parametrize("mode", ["warn", "fail", "pass"])
-def test_a_test_that_trained_but_could_not_be_checked_warns_fails_or_passes(pytester: pytest.Pytester, mode: str) -> None:
+def test_a_test_that_trained_but_could_not_be_checked_warns_fails_or_passes(
+    pytester: pytest.Pytester, mode: str
+) -> None:
     pytester.makeconftest(BROKEN_ON_DEVICE)
     pytester.makepyfile(test_trains=TRAINS)
     result = pytester.runpytest(f"--torchperf-not-checked={mode}", "-p", "no:cacheprovider")

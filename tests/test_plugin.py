@@ -49,7 +49,8 @@ def test_the_full_stacks_ini_option_is_validated(pytester: pytest.Pytester) -> N
     result = pytester.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
-        ["*pytest-torchperf: ini option torchperf_full_stacks must be true or false, got 'ture' (did you mean 'true'?)*"]
+        ["*pytest-torchperf: ini option torchperf_full_stacks must be true or false, got 'ture' "
+         "(did you mean 'true'?)*"]
     )
 
 

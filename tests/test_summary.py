@@ -134,7 +134,8 @@ def test_verbose_shows_each_test_s_verdicts_without_the_invariants_that_did_not_
         assert "SKIPPED test_synthetic.py::TestTokenizer::test_skipped_inside" in block
         assert "FAILED  test_synthetic.py::TestTokenizer::test_fails" in block
         trained = block.index("PASSED  test_synthetic.py::test_trains[0]")
-        assert block[trained + 1].startswith("        marker (steps: 3, found at optimizer.step()): no_host_sync: passed")
+        steps = "        marker (steps: 3, found at optimizer.step()): "
+        assert block[trained + 1].startswith(steps + "no_host_sync: passed")
         assert "no_graph_breaks" not in "\n".join(block)  # nothing was compiled: not listed on every test
         assert "torchperf: 10 marked tests ran no training (nothing to watch)" in block
 
