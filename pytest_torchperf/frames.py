@@ -12,12 +12,12 @@ from types import CodeType, FrameType
 from typing import Any, Optional
 
 from . import stacks
-from .stacks import PYTEST, STDLIB, TORCH, TORCHPERF, Frame, Stack
+from .stacks import LAUNCHER, PYTEST, STDLIB, TORCH, TORCHPERF, Frame, Stack
 
 __all__ = ["Located", "StackCache", "caller", "describe_frame", "kind_of", "locate", "owner_label", "stack_of"]
 
-_SKIP_FOR_CALLER = frozenset((TORCHPERF, STDLIB, PYTEST))
-_SKIP_FOR_SITE = frozenset((TORCHPERF, TORCH, STDLIB, PYTEST))
+_SKIP_FOR_CALLER = frozenset((TORCHPERF, STDLIB, PYTEST, LAUNCHER))
+_SKIP_FOR_SITE = frozenset((TORCHPERF, TORCH, STDLIB, PYTEST, LAUNCHER))
 #: Torch functions that only wrap another one (decorators, dispatch helpers): never named as "via".
 _WRAPPER_NAMES = frozenset(("decorate_context", "wrapper", "wrapped", "inner", "fn", "_fn", "forward", "__call__"))
 #: Code torch generates at run time (``torch.fx`` graphs run by torch.compile's eager backend): torch's own.

@@ -28,10 +28,9 @@ from ._lazy import lazy_module
 from .constants import OVERHEAD_ROUNDS
 from .errors import UsageError
 from .settings import Settings, Threads, add_options, apply_threads, resolve_settings, session_defaults
-from .text import plural
 
 if TYPE_CHECKING:
-    from . import baseline, results, stacks
+    from . import baseline, results, stacks, summary
     from .core import Run
     from .options import Options
     from .report import Report
@@ -40,6 +39,7 @@ else:  # loaded when the first test is watched (or a report needs them): an unma
     baseline = lazy_module("pytest_torchperf.baseline")
     results = lazy_module("pytest_torchperf.results")
     stacks = lazy_module("pytest_torchperf.stacks")
+    summary = lazy_module("pytest_torchperf.summary")
 _options = lazy_module("pytest_torchperf.options")
 _report = lazy_module("pytest_torchperf.report")
 _timing = lazy_module("pytest_torchperf.timing")
@@ -133,12 +133,14 @@ def _know_the_project(config: pytest.Config) -> None:
     config.stash[_PROJECT] = True
     stacks.set_display_root(str(config.rootpath))
     settings = config.stash[_SETTINGS]
+    full_stacks = stacks.show_full_stacks(settings.full_stacks)
     named_by = "--torchperf-user-packages" if config.getoption("torchperf_user_packages") else "torchperf_user_packages"
     packages = project.user_packages(str(config.rootpath), settings.user_packages, named_by)
     previous = stacks.classify.set_user_packages(packages)
 
     def restore() -> None:
         stacks.classify.set_user_packages(previous)
+        stacks.show_full_stacks(full_stacks)
 
     config.add_cleanup(restore)
 
@@ -224,8 +226,6 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
     except _report.Inconclusive as exc:
         item.stash[_SKIPPED] = True
         pytest.skip(str(exc))
-    if report.passed:
-        unchecked.act(item, report, report_only=not fail)
 
 
 @functools.lru_cache(maxsize=None)
@@ -333,6 +333,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         verbose = (item.config.getoption("verbose", 0) or 0) > 0
         report.longrepr = TorchperfFailure(exc.report, item, verbose, getattr(exc, "comparison", None))
     finished = [run.report for _, run in item.stash.get(_RUNS, []) if run.report is not None]
+    if report.passed and finished and not _judged_elsewhere():
+        # Judged on the outcome: a unittest.TestCase test that unittest recorded as skipped or failed returned
+        # from its call normally, and only its report says so.
+        settings = item.config.stash[_SETTINGS]
+        failure = unchecked.act(item, finished, report_only=settings.report_only or settings.baseline_update)
+        if failure is not None:
+            report.outcome = "failed"
+            report.longrepr = failure
     if finished or _is_watched(item):
         adoption.attach(item, report, exc, finished)
     return report
@@ -371,65 +379,15 @@ class _Recorder:
         if self._is_worker or not self.tests:
             return
         tr = terminalreporter
-        verbose = (self.config.getoption("verbose", 0) or 0) > 0
         rank = os.environ.get("LOCAL_RANK", "?") if _judged_elsewhere() else None
         title = "torchperf summary"
         if rank is not None:
             title = f"torchperf summary of rank process {rank} (reported to its launcher, which judges)"
         tr.write_sep("=", title)
-        broken: dict[str, int] = {}
-        unsure: dict[str, int] = {}
-        not_checked = 0
-        for test in self.tests:
-            failed = [name for name, c in test["checks"].items() if c["status"] == "failed"]
-            doubtful = [name for name, c in test["checks"].items() if c["status"] == "inconclusive"]
-            for name in failed:
-                broken[name] = broken.get(name, 0) + 1
-            for name in doubtful:
-                unsure[name] = unsure.get(name, 0) + 1
-            note = " (report only: broken invariants did not fail it)" if failed and test["report_only"] else ""
-            missing = sorted({n for run in test["runs"] for n in unchecked.summary_parts(run["checks"])})
-            not_checked += bool(missing)
-            if missing and not failed:
-                note += f" (not checked: {', '.join(missing)})"
-            if test["outcome"] == "failed" or failed:
-                markup = {"red": True}
-            elif doubtful or missing or test["outcome"] == "skipped":
-                markup = {"yellow": True}
-            else:
-                markup = {"green": True}
-            tr.write_line(f"{test['outcome'].upper():7} {test['nodeid']}{note}", **markup)
-            for run in test["runs"]:
-                parts = []
-                for name, check in run["checks"].items():
-                    if check["status"] == "not checked":
-                        shown = verbose or unchecked.is_default(name)
-                        parts.append(f"{name}: not checked" + (f" ({check['summary']})" if shown else ""))
-                    else:
-                        parts.append(f"{name}: {check['status']} ({check['summary']})")
-                found = f" (steps: {run['steps']}, {run['steps_found']})" if run.get("steps_found") else ""
-                tr.write_line(f"        {run['source']}{found}: " + " | ".join(parts))
-                for process in run.get("ranks", ()):  # a rank that raised or sent nothing says so here
-                    error, missing = process.get("error"), process.get("missing")
-                    if error:
-                        where = f" at {error['where']}" if error.get("where") else ""
-                        tr.write_line(
-                            f"        {process['process']} (pid {process['pid']}) raised {error['type']}: "
-                            f"{error['message']}{where}", red=True,
-                        )
-                    elif missing:
-                        tr.write_line(f"        {process['process']}: {missing}", red=True)
-        watched = len(self.tests)
-        line = f"torchperf: {plural(watched, 'watched test')}"
-        if broken:
-            line += ", broken invariants: " + ", ".join(f"{name} in {n}" for name, n in broken.items())
-        else:
-            line += ", no broken invariant"
-        if unsure:
-            line += "; inconclusive: " + ", ".join(f"{name} in {n}" for name, n in unsure.items())
-        if not_checked:
-            line += f"; {plural(not_checked, 'test')} with default invariants not checked"
-        tr.write_line(line)
+        verbose = (self.config.getoption("verbose", 0) or 0) > 0
+        detail = verbose or "A" in (self.config.getoption("reportchars", "") or "")
+        for line in summary.session_lines(self.tests, detail=detail):
+            tr.write_line(line.text, **line.markup)
         if self.settings.json_path:
             tr.write_line(f"torchperf: JSON report written to {self.settings.json_path}")
 

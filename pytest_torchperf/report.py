@@ -66,7 +66,7 @@ class Site:
         if frame.source:
             lines.append(f"      {frame.source}")
         lines.append("    stack (most recent call last; > marks your code):")
-        lines.extend(format_stack(self.stack, verbose=verbose, indent="    "))
+        lines.extend(format_stack(self.stack, indent="    "))
         return lines
 
     def to_dict(self) -> dict[str, Any]:

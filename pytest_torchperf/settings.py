@@ -38,6 +38,7 @@ class Settings:
     baseline_update: bool = False
     annotations: str = "auto"  # "auto" (when GITHUB_ACTIONS=true), "on" or "off"
     trace_dir: Optional[str] = None
+    full_stacks: bool = False  # reports show every frame, pytest's included
 
 
 def _scope_arg(value: str) -> str:
@@ -82,6 +83,16 @@ def _annotations_arg(value: str) -> str:
     raise argparse.ArgumentTypeError(
         f"must be one of {', '.join(adoption.ANNOTATIONS)}, got {value!r}{suggest(value, adoption.ANNOTATIONS)}"
     )
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _flag_arg(value: str) -> bool:
+    word = value.lower()
+    if word in _TRUE + _FALSE:
+        return word in _TRUE
+    raise argparse.ArgumentTypeError(f"must be true or false, got {value!r}{suggest(word, _TRUE + _FALSE)}")
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -142,6 +153,13 @@ def add_options(parser: pytest.Parser) -> None:
         help="comma-separated import packages that are your code even when installed in site-packages "
         "(the rootdir project's own packages always are; ini: torchperf_user_packages)",
     )
+    group.addoption(
+        "--torchperf-full-stacks",
+        action="store_true",
+        default=None,
+        help="show every frame of a report's stacks, pytest's and pluggy's included (by default, and under -v, "
+        "only your code, the frameworks' and libraries' frames are shown; ini: torchperf_full_stacks)",
+    )
     adoption.add_options(group, _annotations_arg)
     parser.addini("torchperf_json", "write the torchperf JSON report to this path", type="string", default="")
     parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
@@ -158,6 +176,7 @@ def add_options(parser: pytest.Parser) -> None:
         "torchperf_user_packages", "import packages that are your code even when installed", type="args", default=[]
     )
     adoption.add_ini(parser)
+    parser.addini("torchperf_full_stacks", "show every frame of a report's stacks: true or false", type="string", default="")
 
 
 def resolve_settings(config: pytest.Config) -> Settings:
@@ -211,8 +230,11 @@ def resolve_settings(config: pytest.Config) -> Settings:
     trace_dir = config.getoption("torchperf_trace") or ini("torchperf_trace", str)
     if trace_dir:
         trace_dir = os.path.join(invocation, os.path.expanduser(trace_dir))
+    full_stacks = config.getoption("torchperf_full_stacks")
+    if full_stacks is None:
+        full_stacks = bool(ini("torchperf_full_stacks", _flag_arg))
     return Settings(
-        scope=scope, report_only=report_only, json_path=json_path, threads=threads,
+        full_stacks=full_stacks, scope=scope, report_only=report_only, json_path=json_path, threads=threads,
         max_sync_rate=max_sync_rate, user_packages=user_packages, overhead_inconclusive=inconclusive,
         baseline_path=baseline_path, baseline_update=baseline_update, annotations=annotate, trace_dir=trace_dir,
     )

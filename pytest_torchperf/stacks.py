@@ -28,6 +28,7 @@ __all__ = [
     "display_path",
     "format_stack",
     "package_locations",
+    "show_full_stacks",
     "site_of",
     "until_user_frame",
 ]
@@ -35,6 +36,8 @@ __all__ = [
 # Frame kinds, from "never interesting" to "the user's own line".
 TORCHPERF = "torchperf"
 PYTEST = "pytest"
+#: A console-script launcher (a venv's ``bin/pytest``): how the process started, never the user's code.
+LAUNCHER = "launcher"
 STDLIB = "stdlib"
 TORCH = "torch"
 FRAMEWORK = "framework"
@@ -92,6 +95,19 @@ class UserPackage:
 
 #: Directory names that hold installed distributions: a library lives below one of them.
 _SITE_NAMES = ("site-packages", "dist-packages")
+#: Directory names that hold console scripts (``pytest``, ``torchrun``...) in an environment.
+_SCRIPT_DIRS = ("bin", "Scripts")
+
+
+def _is_launcher(path: str, script_dirs: "frozenset[str]") -> bool:
+    """``path`` is a console script: in an environment's scripts directory (a venv's ``bin/``, the
+    interpreter's own), that is, a directory named ``bin`` whose parent holds ``pyvenv.cfg``."""
+    directory = os.path.dirname(path)
+    if directory + os.sep in script_dirs:
+        return True
+    return os.path.basename(directory) in _SCRIPT_DIRS and os.path.isfile(
+        os.path.join(os.path.dirname(directory), "pyvenv.cfg")
+    )
 
 
 class _Classifier:
@@ -109,6 +125,8 @@ class _Classifier:
         self._cache: dict[str, str] = {}
         self._roots: Optional[list[tuple[str, str]]] = None
         self._prefixes: Optional[list[tuple[str, str]]] = None
+        #: The running interpreter's scripts directories (where ``pytest`` and other launchers live).
+        self._script_dirs: frozenset[str] = frozenset()
         self._user_packages: tuple[UserPackage, ...] = ()
         #: Root directory (or exact ``.py`` file) -> the user package it belongs to.
         self._user_roots: dict[str, UserPackage] = {}
@@ -207,6 +225,8 @@ class _Classifier:
                 prefixes.append((os.path.realpath(std) + os.sep, STDLIB))
         prefixes.sort(key=lambda item: len(item[0]), reverse=True)
         self._prefixes = prefixes
+        scripts = {sysconfig.get_paths().get("scripts", "")} | {os.path.dirname(sys.executable)}
+        self._script_dirs = frozenset(os.path.realpath(d) + os.sep for d in scripts if d)
 
     def __call__(self, filename: str) -> str:
         kind = self._cache.get(filename)
@@ -216,12 +236,15 @@ class _Classifier:
             self._build()
         assert self._roots is not None and self._prefixes is not None
         if filename.startswith("<"):
-            # "<frozen ...>" is the import system, "<string>" exec'd bootstrap code (xdist's
-            # workers); other pseudo-files ("<stdin>", notebook cells) are the user's.
+            # "<frozen ...>" is the import system (runpy's ``python -m`` entry included), "<string>"
+            # exec'd bootstrap code (xdist's workers); other pseudo-files ("<stdin>", notebook cells) are
+            # the user's.
             kind = STDLIB if filename.startswith(("<frozen", "<string>")) else USER
         else:
             path = os.path.realpath(filename)
             kind = USER if path in self._user_roots else self._kind_of(path)
+            if kind == USER and _is_launcher(path, self._script_dirs):
+                kind = LAUNCHER
         self._cache[filename] = kind
         return kind
 
@@ -269,6 +292,7 @@ class _Classifier:
             PYTEST: "pytest's own code",
             STDLIB: "the Python standard library",
             TORCHPERF: "pytest-torchperf's own code",
+            LAUNCHER: "a console-script launcher (how the process started)",
         }.get(kind, kind)
 
     def rule_matters(self, filename: str) -> bool:
@@ -338,7 +362,7 @@ def capture(skip: int = 1) -> Stack:
     return tuple(frames)
 
 
-_NOT_A_SITE = (TORCHPERF, TORCH, STDLIB, PYTEST)
+_NOT_A_SITE = (TORCHPERF, TORCH, STDLIB, PYTEST, LAUNCHER)
 
 
 def site_of(stack: Sequence[Frame]) -> Optional[Frame]:
@@ -420,21 +444,36 @@ def _trim(kept: Sequence[Frame], tail: int) -> list[Union[Frame, int]]:
     return out
 
 
+#: Whether reports show every frame (``--torchperf-full-stacks``); see :func:`show_full_stacks`.
+_full_stacks = [False]
+#: What a folded stack says about the frames it hides.
+HIDDEN_HINT = "--torchperf-full-stacks shows the whole stack"
+
+
+def show_full_stacks(full: bool) -> bool:
+    """Render every frame of every stack from now on (or fold them again); returns the previous setting."""
+    previous = _full_stacks[0]
+    _full_stacks[0] = full
+    return previous
+
+
 def format_stack(
     stack: Sequence[Frame],
     *,
-    verbose: bool = False,
+    full: Optional[bool] = None,
     indent: str = "    ",
     tail: int = 6,
 ) -> list[str]:
     """Render ``stack`` (outermost first), user frames marked with ``>``.
 
-    By default only user, framework and library frames are shown: every user
-    frame, the frame it calls into, and the innermost ``tail`` frames; the
-    rest is folded into "... N frames hidden". ``verbose`` shows every frame.
+    Whatever the verbosity, only user, framework and library frames are shown
+    (pytest's, pluggy's, torchperf's own and the launcher's never are): every
+    user frame, the frame it calls into, and the innermost ``tail`` frames; the
+    rest is folded into "... N frames hidden". ``full`` (default: the session's
+    ``--torchperf-full-stacks``) shows every frame but torchperf's own.
     """
     entries: list[Union[Frame, int]]
-    if verbose:
+    if _full_stacks[0] if full is None else full:
         entries = [f for f in stack if f.kind != TORCHPERF]
     else:
         kept = [f for f in stack if _keep(f)] or list(stack[-1:])
@@ -447,7 +486,7 @@ def format_stack(
     lines = []
     for entry in entries:
         if isinstance(entry, int):
-            lines.append(f"{indent}  ... {entry} frames hidden (-v shows the whole stack)")
+            lines.append(f"{indent}  ... {entry} frames hidden ({HIDDEN_HINT})")
             continue
         mark = ">" if entry.is_user else " "
         lines.append(f"{indent}{mark} {entry.location()} in {entry.function}")

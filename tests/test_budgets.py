@@ -100,7 +100,7 @@ def test_budget_figures_reach_the_json_report(pytester: pytest.Pytester) -> None
                         model(torch.randn(2, 4)).sum().item()
         """
     )
-    result = pytester.runpytest("--torchperf-json=out.json")
+    result = pytester.runpytest("--torchperf-json=out.json", "-v")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*no_host_sync: passed (3 syncs in your code, at most 1 in a step: within max_syncs_per_step=1)*"])
     doc = json.loads((pytester.path / "out.json").read_text())

@@ -86,3 +86,30 @@ def test_a_plain_model_passes_and_the_check_can_be_switched_off() -> None:
     model = torch.nn.DataParallel(torch.nn.Linear(8, 1))
     report = report_of(lambda run: train(run, model, loader(), epochs=1), no_data_parallel=False)
     assert "no_data_parallel" not in report.checks
+
+
+def test_a_data_parallel_built_and_never_run_is_a_note_not_a_finding() -> None:
+    def body(run) -> None:
+        inner = torch.nn.Linear(8, 1)
+        wrapped = torch.nn.DataParallel(inner)  # built only to test unwrapping, as transformers' tests do
+        assert wrapped.module is inner
+        train(run, inner, loader(), epochs=1)
+
+    check = report_of(body)["no_data_parallel"]
+    assert check.status == PASSED
+    assert check.summary == "no DataParallel ran; 1 DataParallel module built and never run (noted)"
+    (note,) = check.findings
+    assert note.title == "note: torch.nn.DataParallel(Linear) was built and never ran"
+    assert [s.label for s in note.sites] == ["created"]
+    assert note.sites[0].frame is not None and note.sites[0].frame.function == "body"
+
+
+def test_beside_one_that_ran_the_idle_data_parallel_stays_a_note() -> None:
+    def body(run) -> None:
+        torch.nn.DataParallel(torch.nn.Linear(8, 1))
+        train(run, torch.nn.DataParallel(torch.nn.Linear(8, 1)), loader(), epochs=1)
+
+    check = report_of(body)["no_data_parallel"]
+    assert check.status == FAILED
+    assert check.summary == "1 DataParallel module, 5 forward passes"
+    assert [f.title.startswith("note: ") for f in check.findings] == [False, True]

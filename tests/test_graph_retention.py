@@ -669,7 +669,7 @@ def test_loop_leaks(torchperf):
 def test_the_marker_fails_a_leaking_fit_and_reports_figures(user_models: pytest.Pytester) -> None:
     user_models.makepyfile(test_suite=SUITE)
     result = user_models.runpytest(
-        "-p", "no:warnings", "--torchperf-json=out.json", "--junitxml=out.xml", "-k", "fit"
+        "-p", "no:warnings", "--torchperf-json=out.json", "--junitxml=out.xml", "-k", "fit", "-v"
     )
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(

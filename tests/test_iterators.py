@@ -211,7 +211,7 @@ def test_lightning_fit_with_persistent_loaders_passes_sanity_check_included(user
             make_trainer(tmp_path, max_epochs=3).fit(TinyModule(), train, val)
         """
     )
-    result = user_models.runpytest("-p", "no:warnings")
+    result = user_models.runpytest("-p", "no:warnings", "-v")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         [
@@ -268,7 +268,7 @@ def test_each_trainer_call_may_start_its_own_pool(user_models: pytest.Pytester) 
             trainer.validate(model, val)
         """
     )
-    result = user_models.runpytest("-p", "no:warnings")
+    result = user_models.runpytest("-p", "no:warnings", "-v")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*no_iterator_reset: passed (1 loader with workers, 2 worker pools started)*"])
 

@@ -768,6 +768,16 @@ def test_plain_loop_through_the_fixture_and_the_summary_line(user_models: pytest
     result.stdout.fnmatch_lines(
         [
             "*torchperf summary*",
+            "torchperf: 2 watched tests, broken invariants: no_host_sync in 1",
+            "torchperf: held: no_host_sync in 1, *",
+            "FAILED  test_loop.py::test_branch: no_host_sync failed (3 syncs at test_loop.py:17: 1 per step over 3 steps)",
+        ]
+    )
+    result.stdout.no_fnmatch_line("PASSED  test_loop.py::test_clean*")  # a clean test adds nothing by default
+    verbose = user_models.runpytest("-p", "no:warnings", "-v")
+    verbose.stdout.fnmatch_lines(
+        [
+            "*torchperf summary*",
             "PASSED  test_loop.py::test_clean",
             "*no_host_sync: passed (no sync in your code over 3 steps)*",
             "FAILED  test_loop.py::test_branch",

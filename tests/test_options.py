@@ -105,9 +105,13 @@ def test_module_marker_is_merged_with_the_test_marker(pytester: pytest.Pytester)
             pass
         """
     )
-    result = pytester.runpytest("-p", "no:randomly")
+    result = pytester.runpytest("-p", "no:randomly", "-v")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["*test_body*", "*on_device: not checked (no training step observed*) | no_iterator_reset: passed*"])
+    result.stdout.fnmatch_lines([
+        "PASSED  *::test_body",
+        "        marker: on_device: passed (*) | no_iterator_reset: passed*",  # scope="test": the body is the step
+        "PASSED  *::test_module_only (ran no training: nothing to watch)",
+    ])
     result.stdout.no_fnmatch_line("*no_host_sync*")
 
 

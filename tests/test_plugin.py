@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -22,15 +24,74 @@ DROPPING_LOOP = """
 """
 
 
-def test_verbose_shows_the_whole_stack(user_models: pytest.Pytester) -> None:
+def test_pytest_and_pluggy_frames_are_hidden_whatever_the_verbosity_and_full_stacks_shows_them(
+    user_models: pytest.Pytester,
+) -> None:
     user_models.makepyfile(test_drop=DROPPING_LOOP)
-    quiet = user_models.runpytest()
-    quiet.assert_outcomes(failed=1)
-    verbose = user_models.runpytest("-v")
-    verbose.assert_outcomes(failed=1)
-    assert "_pytest/python.py" not in quiet.stdout.str()
-    assert "_pytest/python.py" in verbose.stdout.str()  # pytest's own frames, hidden by default
-    assert "frames hidden" not in verbose.stdout.str()
+    for args in ([], ["-v"], ["-vv"], ["-rA"]):
+        result = user_models.runpytest(*args)
+        result.assert_outcomes(failed=1)
+        text = result.stdout.str()
+        assert "_pytest/" not in text and "pluggy/" not in text, args
+    full = user_models.runpytest("--torchperf-full-stacks")
+    full.assert_outcomes(failed=1)
+    assert "_pytest/python.py" in full.stdout.str()  # pytest's own frames, shown on request
+    assert "pluggy/" in full.stdout.str()
+    assert "frames hidden" not in full.stdout.str()
+    assert "pytest_torchperf/" not in full.stdout.str()  # the plugin's own frames never are
+    user_models.makeini("[pytest]\ntorchperf_full_stacks = true\n")
+    assert "_pytest/python.py" in user_models.runpytest().stdout.str()
+
+
+def test_the_full_stacks_ini_option_is_validated(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    pytester.makeini("[pytest]\ntorchperf_full_stacks = ture\n")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*pytest-torchperf: ini option torchperf_full_stacks must be true or false, got 'ture' "
+         "(did you mean 'true'?)*"]
+    )
+
+
+@pytest.mark.slow
+def test_run_through_the_pytest_console_script_the_launcher_is_not_your_code(user_models: pytest.Pytester) -> None:
+    user_models.makepyfile(test_drop=DROPPING_LOOP)
+    launcher = Path(sys.executable).parent / "pytest"
+    if not launcher.exists():
+        pytest.skip("no pytest console script beside this interpreter")
+    result = user_models.run(
+        str(launcher), "-p", "no:cacheprovider", "--torchperf-full-stacks", "--torchperf-json=out.json"
+    )
+    assert result.ret == 1
+    text = result.stdout.str()
+    assert f"{launcher.name}:" in text  # the full stack shows the launcher's frame, unmarked
+    assert not [line for line in text.splitlines() if line.lstrip().startswith(">") and "bin/pytest" in line]
+    document = json.loads((user_models.path / "out.json").read_text())
+    (finding,) = document["tests"][0]["checks"]["no_iterator_reset"]["findings"]
+    assert finding["sites"][0]["user_code"] and finding["sites"][0]["site"].startswith("test_drop.py:")
+
+
+def test_a_script_in_a_virtual_environment_s_bin_is_a_launcher_not_your_code(tmp_path: Path) -> None:
+    from pytest_torchperf.stacks import LAUNCHER, USER, Frame, classify, site_of
+
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    script = tmp_path / "venv" / "bin" / "pytest"
+    script.write_text("import sys\n")
+    mine = tmp_path / "project" / "bin" / "train.py"  # a project's own bin/ (no pyvenv.cfg above it) is the user's
+    mine.parent.mkdir(parents=True)
+    mine.write_text("pass\n")
+    assert classify(str(script)) == LAUNCHER
+    assert "console-script launcher" in classify.rule(str(script))
+    assert classify(str(mine)) == USER
+    assert site_of((Frame(str(script), 8, "<module>"), Frame(torch_file(), 1, "add"))).filename == torch_file()
+
+
+def torch_file() -> str:
+    import torch
+
+    return torch.__file__
 
 
 def test_junit_xml_carries_the_summary_as_message_and_the_report_as_text(user_models: pytest.Pytester) -> None:
@@ -161,6 +222,13 @@ def test_marker_and_fixture_together_each_report(user_models: pytest.Pytester) -
     # The inner failure was expected by the test; the marker's run saw the same respawn.
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
+        [
+            "*= torchperf summary =*",
+            "FAILED  test_both.py::test_both: no_iterator_reset failed (1 extra worker pool in 1 loader)",
+        ]
+    )
+    verbose = user_models.runpytest("-v")
+    verbose.stdout.fnmatch_lines(
         [
             "*= torchperf summary =*",
             "FAILED  test_both.py::test_both",

@@ -248,7 +248,7 @@ def test_dataloader_workers_with_spawn_start_methods_run_under_the_marker(
             assert epochs(make_loader(num_workers=1, multiprocessing_context="{context}")) == pytest.REFERENCE
         """
     )
-    result = user_models.runpytest_subprocess("-p", "no:warnings", "-p", "no:randomly", timeout=300)
+    result = user_models.runpytest_subprocess("-p", "no:warnings", "-p", "no:randomly", "-v", timeout=300)
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*no_iterator_reset: passed (1 loader with workers, 1 worker pool started)*"])
 

@@ -108,9 +108,12 @@ def test_the_rootdir_project_installed_in_site_packages_is_your_code(pytester: p
 @pytest.mark.slow
 def test_another_project_sees_it_as_a_library_unless_named(pytester: pytest.Pytester, site_dir: Path) -> None:
     write_suite(pytester, site_dir, "some-other-project")
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-v")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*no_host_sync: passed (no sync in your code over 4 steps; 4 in mypkg (noted))*"])
+    # By default the library's note is one session line for its site.
+    quiet = pytester.runpytest("-p", "no:cacheprovider")
+    quiet.stdout.fnmatch_lines(["torchperf: noted in 1 test: no_host_sync at mypkg/*.py:* in *(4x), not your code"])
 
     result = pytester.runpytest("-p", "no:cacheprovider", "-rf", "--torchperf-user-packages=mypkg")
     result.assert_outcomes(failed=1)

@@ -15,7 +15,8 @@ Seen three ways, so it is caught on a CPU-only machine (where
   counted (a Lightning 1.x ``"dp"`` strategy's wrapper included), with the line
   that called it;
 - ``DataParallel.__init__`` is wrapped: an instance built during the run has
-  its creation site, and counts even if it never runs a forward pass;
+  its creation site; one that is never run (no forward pass, not driven, not in
+  a Trainer's model: built to test unwrapping) is a note, not a finding;
 - a subclass driven through another method (mmcv's ``MMDataParallel.train_step``)
   is seen where that method reads the wrapped ``.module``;
 - at each Lightning Trainer call the model's modules are scanned
@@ -61,6 +62,11 @@ class _Instance:
         self.used_by: dict[str, int] = {}
         self.first_use: Optional[Stack] = None
         self.in_model: Optional[str] = None  # "submodule 'net' of Regressor" when found in a Trainer's model
+
+    @property
+    def ran(self) -> bool:
+        """It ran (a forward pass, a method that drove it) or a Trainer was handed it: a finding."""
+        return bool(self.forwards or self.used_by or self.in_model)
 
 
 class DataParallelCheck(Check):
@@ -112,6 +118,12 @@ class DataParallelCheck(Check):
                     rec.in_model = f"{where} {type(model).__name__} (Trainer.{kind})"
 
     # -- verdict ---------------------------------------------------------------------
+    def _note(self, rec: _Instance) -> Finding:
+        title = f"note: {'' if rec.subclass else 'torch.nn.'}{rec.description} was built and never ran"
+        facts = ["no forward pass, no method drove it and no Trainer was given it: a note, not a failure"]
+        sites = [Site("created", rec.created)] if rec.created is not None else []
+        return Finding(title, facts, sites)
+
     def _finding(self, rec: _Instance) -> Finding:
         if rec.forwards:
             ran = f"ran {plural(rec.forwards, 'forward pass')}"
@@ -165,7 +177,8 @@ class DataParallelCheck(Check):
                 for r in instances
             ],
         }
-        findings = [self._finding(r) for r in instances]
+        ran = [r for r in instances if r.ran]
+        findings = [self._finding(r) for r in ran]
         for name in self.strategies:
             findings.insert(
                 0,
@@ -176,14 +189,18 @@ class DataParallelCheck(Check):
                     "use Trainer(strategy='ddp') (one process per GPU).",
                 ),
             )
+        notes = [self._note(r) for r in instances if not r.ran]
         if findings:
-            count = len(instances) or len(self.strategies)
+            count = len(ran) or len(self.strategies)
             noun = "module" if count == 1 else "modules"
             summary = f"{count} DataParallel {noun}, {plural(forwards, 'forward pass')}"
             others = sorted({name for r in instances for name in r.used_by})
             if others:
                 summary += f", driven through {', '.join(others)}"
-            return CheckResult(NAME, FAILED, summary, count, findings, figures)
+            return CheckResult(NAME, FAILED, summary, count, findings + notes, figures)
+        if notes:
+            summary = f"no DataParallel ran; {plural(len(notes), 'DataParallel module')} built and never run (noted)"
+            return CheckResult(NAME, PASSED, summary, 0, notes, figures)
         return CheckResult(NAME, PASSED, "no DataParallel in the run", 0, [], figures)
 
 

@@ -7,8 +7,9 @@ the checks of the active runs, the stack captured lazily, once).
 A subclass may be driven through another method (mmcv's ``MMDataParallel.train_step``
 calls ``self.module.train_step(...)``, never ``forward``): ``DataParallel`` gets a
 ``__getattr__`` (``nn.Module``'s own, called after it) that sends
-``on_data_parallel_used(module, function, stack)`` when code outside torch reads the
-wrapped ``.module``. ``nn.Module`` already routes every attribute miss of a module
+``on_data_parallel_used(module, function, stack)`` when one of the wrapper's own methods
+outside torch reads its wrapped ``.module`` (code that only unwraps it, ``model.module``
+from a helper, is not a use). ``nn.Module`` already routes every attribute miss of a module
 through ``__getattr__``, so no other attribute read of any module changes.
 """
 
@@ -110,8 +111,11 @@ class DataParallelProbe(Probe):
         core.notify("on_data_parallel_forward", module, lazy)
 
     def read_module(self, module: Any, frame: Any) -> None:
-        """``module.module`` read at ``frame``: a use of the wrapper, unless torch's (or torchperf's) own code."""
+        """``module.module`` read at ``frame``: a use of the wrapper when one of its own methods (a subclass's
+        ``train_step``) reads it, unless torch's (or torchperf's) own code; elsewhere it only unwraps it."""
         if frame is None or kind_of(frame.f_code) in (TORCH, TORCHPERF):
+            return
+        if frame.f_locals.get("self") is not module:
             return
         code = frame.f_code
         function = getattr(code, "co_qualname", code.co_name)
