@@ -216,9 +216,18 @@ _FUNCTION = type(tracked)
 
 def _guard_codes() -> frozenset[CodeType]:
     """The code of the guard's own frames (one sits between a contained wrapper and its caller)."""
+    def unary(a: Any) -> Any:
+        return a
+
+    def binary(a: Any, b: Any) -> Any:
+        return a
+
+    def any_shape(*a: Any, **k: Any) -> Any:
+        return a
+
     codes = set()
-    for wrapper in (lambda a: a, lambda a, b: a, lambda *a, **k: a):
-        codes.add(contain(lambda original, w=wrapper: w, len, lambda exc: None).__code__)
+    for wrapper in (unary, binary, any_shape):
+        codes.add(contain(functools.partial(lambda w, original: w, wrapper), len, print).__code__)
     return frozenset(codes)
 
 
