@@ -1,78 +1,170 @@
 """The engine's guard: a probe's wrapper never raises its own error into the user's call.
 
 Every wrapper a probe installs through its :class:`~pytest_torchperf.patching.Patcher`
-is put inside :func:`contain` by the patcher itself (the engine gives each probe's
-patcher the probe's failure handler), so no probe has to remember a ``try``. What
-the wrapper does beyond calling the original is the probe's: when it raises, the
-guard hands the error to the engine (which takes the probe out and makes its
-invariants "not checked" with the error) and finishes the user's call as if
-nothing watched it: the original's result when it had already returned, else the
-original called now. An exception the original itself raised is the user's and
-goes up untouched.
+is contained here by the patcher itself (the engine gives each probe's patcher the
+probe's failure handler), so no probe has to remember a ``try``.
 
-Which of the two an exception is, is read from its traceback, only when one is
-raised: the innermost frame that holds the original (the wrapper, or a helper it
-passed the original to) was calling it, or was doing something else. A frame
-that holds the original's result names it ``out`` (the convention every wrapper
-follows); that is what the guard returns when the probe failed after it.
+The wrapper is built around a *tracked* original (:func:`contain` hands it to the
+probe's maker in place of the original): a small function that calls the real
+original and writes, on this thread's record of the guarded call in progress,
+what it returned, or the exception it raised. The guard keeps one record per call:
+it saves the record of the call it runs inside (a guarded call the original makes,
+a recursion), starts its own, and puts the saved one back when it ends, so each
+thread holds a stack of records, one per guarded call open on it.
+
+When the wrapper raises, the record says whose exception it is:
+
+- the very exception the original raised: the user's; it goes up untouched;
+- any other: the probe's. The guard hands it to the engine (which takes the probe
+  out and makes its invariants "not checked" with the error) and finishes the
+  user's call as if nothing watched it: the original's recorded result if it
+  returned, its recorded exception if it raised, else the original called now.
 """
 
 from __future__ import annotations
 
-import linecache
+import functools
 import sys
-from types import CodeType, FrameType, TracebackType
+import threading
+from types import CodeType, FrameType
 from typing import Any, Callable, Optional
 
-__all__ = ["caller_frame", "contain"]
-
-_NOTHING = object()
+__all__ = ["caller_frame", "contain", "handing_over"]
 
 
-def contain(wrapper: Callable[..., Any], original: Any, failed: Callable[[BaseException], None]) -> Callable[..., Any]:
-    """``wrapper`` with its own errors handed to ``failed`` and the user's call finished (see the module)."""
+class _NotRun:
+    """The record of a guarded call whose original has not returned yet."""
 
-    def recover(exc: Exception, call: Callable[[], Any]) -> Any:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<the original has not run>"
+
+
+NOT_RUN: Any = _NotRun()
+
+
+class _Raised:
+    """The record of a guarded call whose original raised ``exc``."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Calls(threading.local):
+    """This thread's record of the innermost guarded call: ``NOT_RUN``, a :class:`_Raised`, or the result."""
+
+    record: Any = NOT_RUN
+
+
+_CALLS = _Calls()
+
+
+def tracked(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original``, recording on this thread's record of the guarded call what it returned or raised."""
+    calls = _CALLS
+
+    def track(*args: Any, **kwargs: Any) -> Any:
         try:
-            out = _outcome(exc, original)
-        except Exception:  # noqa: BLE001 - cannot tell: the error goes up as it came, the original not called twice
-            out = _RAISE
-        if out is _RAISE:
-            raise exc
-        failed(exc)
-        return call() if out is _NOTHING else out
+            out = original(*args, **kwargs)
+        except BaseException as exc:
+            __tracebackhide__ = True
+            calls.record = _Raised(exc)
+            raise
+        calls.record = out
+        return out
 
-    code = getattr(wrapper, "__code__", None)
-    arity = _plain_arity(code)
+    for name in ("__name__", "__qualname__", "__doc__"):  # a probe may read them off its original
+        value = getattr(original, name, None)
+        if isinstance(value, str):
+            setattr(track, name, value)
+    track.__wrapped__ = track.__torchperf_original__ = original  # type: ignore[attr-defined]
+    return track
+
+
+def original_of(fn: Any) -> Any:
+    """The real original behind a tracked one (``fn`` itself when it is not tracked)."""
+    return getattr(fn, "__torchperf_original__", fn) if type(fn) is _FUNCTION else fn
+
+
+def handing_over(original: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(original, *args, **kwargs)`` with the real original, recorded as a call of the original.
+
+    For a wrapper that hands its original to torch rather than calling it (``handle_torch_function``
+    for a tensor subclass): torch and the subclass see torch's own function, and what happens in
+    there (the subclass's own error) is the user's call.
+    """
+    real = original_of(original)
+    if real is original:
+        return call(original, *args, **kwargs)
+    return tracked(functools.partial(call, real))(*args, **kwargs)
+
+
+def contain(make: Callable[[Any], Any], original: Any, failed: Callable[[BaseException], None]) -> Any:
+    """``make(original)`` built around the tracked original, with its own errors handed to ``failed`` and
+    the user's call finished (see the module)."""
+    wrapper = make(tracked(original))
+    if not callable(wrapper):
+        return wrapper
+    if original_of(wrapper) is original:  # the maker handed the original back: nothing to contain
+        return original
+    calls = _CALLS
+    arity = _plain_arity(getattr(wrapper, "__code__", None))
     # One template per shape: a unary method (``Tensor.item``) is called without packing its argument.
     if arity == 1:
 
         def guarded1(self: Any) -> Any:
-            __tracebackhide__ = True
+            outer = calls.record
+            calls.record = NOT_RUN
             try:
                 return wrapper(self)
-            except Exception as exc:  # noqa: BLE001 - see recover()
-                return recover(exc, lambda: original(self))
+            except Exception as exc:  # noqa: BLE001 - see the module
+                __tracebackhide__ = True
+                record = calls.record
+                if type(record) is _Raised and record.exc is exc:  # the original's: the user's error
+                    raise
+                failed(exc)
+            finally:
+                calls.record = outer
+            return _finish(record, original, (self,), {})
 
         guarded: Callable[..., Any] = guarded1
     elif arity == 2:
 
         def guarded2(self: Any, other: Any) -> Any:
-            __tracebackhide__ = True
+            outer = calls.record
+            calls.record = NOT_RUN
             try:
                 return wrapper(self, other)
-            except Exception as exc:  # noqa: BLE001 - see recover()
-                return recover(exc, lambda: original(self, other))
+            except Exception as exc:  # noqa: BLE001 - see the module
+                __tracebackhide__ = True
+                record = calls.record
+                if type(record) is _Raised and record.exc is exc:  # the original's: the user's error
+                    raise
+                failed(exc)
+            finally:
+                calls.record = outer
+            return _finish(record, original, (self, other), {})
 
         guarded = guarded2
     else:
 
         def guarded_any(*args: Any, **kwargs: Any) -> Any:
-            __tracebackhide__ = True
+            outer = calls.record
+            calls.record = NOT_RUN
             try:
                 return wrapper(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - see recover()
-                return recover(exc, lambda: original(*args, **kwargs))
+            except Exception as exc:  # noqa: BLE001 - see the module
+                __tracebackhide__ = True
+                record = calls.record
+                if type(record) is _Raised and record.exc is exc:  # the original's: the user's error
+                    raise
+                failed(exc)
+            finally:
+                calls.record = outer
+            return _finish(record, original, args, kwargs)
 
         guarded = guarded_any
     for name in ("__module__", "__name__", "__qualname__", "__doc__", "__wrapped__"):
@@ -88,25 +180,14 @@ def contain(wrapper: Callable[..., Any], original: Any, failed: Callable[[BaseEx
     return guarded
 
 
-#: The code of the guard's own frames (one sits between a contained wrapper and its caller).
-_GUARD_CODES: frozenset[CodeType] = frozenset()
-
-
-def caller_frame(depth: int = 1) -> FrameType:
-    """``sys._getframe(depth)`` as seen from the caller, past the guard's frame: a wrapper's caller is the user.
-
-    Wrappers read the line that called them (``getframe(1)``); the guard that contains them is one frame more
-    between the two, which this skips, so a wrapper reads the same frame guarded or not.
-    """
-    frame = sys._getframe(depth + 1)
-    if frame.f_code in _GUARD_CODES:
-        back = frame.f_back
-        if back is not None:
-            return back
-    return frame
-
-
-_RAISE = object()
+def _finish(record: Any, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The user's call after the probe failed, as unwatched: the original's result, or its error, or a call."""
+    __tracebackhide__ = True
+    if record is NOT_RUN:
+        return original(*args, **kwargs)
+    if type(record) is _Raised:
+        raise record.exc  # outside any ``except``: the error keeps the context it had, not the probe's error
+    return record
 
 
 def _plain_arity(code: Optional[CodeType]) -> int:
@@ -118,69 +199,35 @@ def _plain_arity(code: Optional[CodeType]) -> int:
     return code.co_argcount if code.co_argcount in (1, 2) else 0
 
 
-def _outcome(exc: BaseException, original: Any) -> Any:
-    """``_RAISE`` when the original raised ``exc``; else the original's result (``_NOTHING``: not called yet)."""
-    tb: Optional[TracebackType] = exc.__traceback__
-    holder: Optional[TracebackType] = None
-    names: tuple[str, ...] = ()
-    while tb is not None:
-        held = _names_of(tb.tb_frame.f_locals, original)
-        if held:
-            holder, names = tb, held
-        tb = tb.tb_next
-    if holder is None:  # pragma: no cover - the wrapper always holds its original
-        return _NOTHING
-    if _calls(holder.tb_frame.f_code, holder.tb_lasti, holder.tb_lineno, names):
-        return _RAISE
-    return holder.tb_frame.f_locals.get("out", _NOTHING)
+def caller_frame(depth: int = 1) -> FrameType:
+    """``sys._getframe(depth)`` as seen from the caller, past the guard's frame: a wrapper's caller is the user.
+
+    Wrappers read the line that called them (``getframe(1)``); the guard that contains them is one frame more
+    between the two, which this skips, so a wrapper reads the same frame guarded or not. (The tracked
+    original's frame is below the wrapper, never between it and its caller.)
+    """
+    frame = _getframe(depth + 1)
+    return frame.f_back if frame.f_code in _GUARD_CODES else frame  # type: ignore[return-value]
 
 
-def _names_of(local: dict[str, Any], original: Any) -> tuple[str, ...]:
-    try:
-        return tuple(name for name, value in local.items() if value is original)
-    except Exception:  # noqa: BLE001 - a strange local is not the original
-        return ()
-
-
-_SPANS: dict[tuple[CodeType, int], str] = {}
-
-
-def _calls(code: CodeType, lasti: int, lineno: int, names: tuple[str, ...]) -> bool:
-    """Whether the instruction at ``lasti`` of ``code`` is a call of one of ``names`` (``original(...)``)."""
-    span = _SPANS.get((code, lasti))
-    if span is None:
-        span = _span(code, lasti, lineno)
-        if len(_SPANS) > 1000:
-            _SPANS.clear()
-        _SPANS[(code, lasti)] = span
-    span = span.lstrip()
-    for name in names:
-        if span.startswith(name + "(") or f"({name}," in span.replace(" ", ""):
-            return True
-    return False
-
-
-def _span(code: CodeType, lasti: int, lineno: int) -> str:
-    """The source text of the expression the instruction at ``lasti`` executes (the line before Python 3.11)."""
-    lines = linecache.getlines(code.co_filename)
-    positions = getattr(code, "co_positions", None)
-    if positions is not None and sys.version_info >= (3, 11):
-        for index, (start, end, col, end_col) in enumerate(positions()):
-            if index * 2 != lasti:
-                continue
-            if start is None or end is None or col is None or end_col is None or start > len(lines):
-                break
-            if start == end:
-                return lines[start - 1][col:end_col]
-            text = lines[start - 1][col:] + "".join(lines[start:end - 1]) + lines[end - 1][:end_col]
-            return text
-    return lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
+_getframe = sys._getframe
+_FUNCTION = type(tracked)
 
 
 def _guard_codes() -> frozenset[CodeType]:
+    """The code of the guard's own frames (one sits between a contained wrapper and its caller)."""
+    def unary(a: Any) -> Any:
+        return a
+
+    def binary(a: Any, b: Any) -> Any:
+        return a
+
+    def any_shape(*a: Any, **k: Any) -> Any:
+        return a
+
     codes = set()
-    for wrapper in (lambda a: a, lambda a, b: a, lambda *a, **k: a):
-        codes.add(contain(wrapper, wrapper, lambda exc: None).__code__)
+    for wrapper in (unary, binary, any_shape):
+        codes.add(contain(functools.partial(lambda w, original: w, wrapper), len, print).__code__)
     return frozenset(codes)
 
 

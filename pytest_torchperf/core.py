@@ -197,8 +197,8 @@ def runs_in_scope() -> list["Run"]:
 def handlers(event: str, in_scope: bool = False) -> list[Callable[..., Any]]:
     """Every active run's check methods named ``event`` (only runs in scope, with ``in_scope``)."""
     out: list[Callable[..., Any]] = []
-    for run in _ACTIVE:
-        if run._active and (not in_scope or run.in_scope):
+    for run in runs_in_scope() if in_scope else _ACTIVE:
+        if run._active:
             out.extend(run.handlers(event))
     return out
 
@@ -266,21 +266,18 @@ def _refresh_flags() -> None:
 
 
 def _refresh_scope() -> None:
-    """Recompute ``FLAGS.in_scope`` (``Run.in_scope`` inlined: this runs at every step's end)."""
+    """Set ``FLAGS.in_scope`` to whether some active run is in scope now (:attr:`Run.in_scope`), telling
+    the listeners when it changes. Called after every change of a run's state that the rule reads."""
     now = False
     for run in _ACTIVE:
-        if run._active and (run._step_depth or run._scope == "test" or (run._batch_depth and run._scope == "batch")):
+        if run.in_scope:
             now = True
             break
     if now is not FLAGS.in_scope:
-        _set_in_scope(now)
-
-
-def _set_in_scope(now: bool) -> None:
-    FLAGS.in_scope = now
-    if FLAGS.listeners:
-        for listener in list(FLAGS.listeners):
-            listener(now)
+        FLAGS.in_scope = now
+        if FLAGS.listeners:
+            for listener in list(FLAGS.listeners):
+                listener(now)
 
 
 class Check:
@@ -385,12 +382,13 @@ class Run:
 
     @property
     def in_scope(self) -> bool:
-        """Whether step checks apply right now, per the ``scope`` option."""
+        """Whether step checks apply right now: the run is active and inside a step, or its ``scope`` option
+        widens that to the whole test, or to every batch. (The one statement of the rule.)"""
         if not self._active:
             return False
-        if self._step_depth or self._scope == "test":
+        if self._step_depth:
             return True
-        return self._scope == "batch" and self._batch_depth > 0
+        return self._scope == "test" or (self._scope == "batch" and self._batch_depth > 0)
 
     @property
     def unit(self) -> Optional[int]:
@@ -443,18 +441,11 @@ class Run:
         return self._step_block
 
     def step_started(self) -> None:
-        # _refresh_scope() inlined: this runs every step (Lightning's, automatic ones).
         depth = self._step_depth
         if not depth:
             self.steps += 1
         self._step_depth = depth + 1
-        if not self._active:
-            _refresh_scope()
-        elif not FLAGS.in_scope:  # an active run in a step is in scope, whatever the scope option
-            if FLAGS.listeners:
-                _set_in_scope(True)
-            else:
-                FLAGS.in_scope = True
+        _refresh_scope()
         if not depth:
             if self._poll_reads:
                 self._poll()
@@ -462,14 +453,9 @@ class Run:
                 self._call(self._step_events[0])
 
     def _poll(self) -> None:
-        """Every step poll's ``read()``, in one C-level pass (``map``: 17 bytecodes for the defaults' three reads,
-        36 in a loop of one ``try`` a read, 20-25 ns each on the op-bound steps), and ``hit()`` where it was true.
-        Inlined in ``_Step.__enter__``."""
-        reads = self._poll_reads
-        if not reads:
-            return
+        """Every step poll's ``read()`` in one pass, then ``hit()`` where it returned true."""
         try:
-            values = tuple(map(_call_read, reads))
+            values = tuple(map(_call_read, self._poll_reads))
         except Exception:  # noqa: BLE001 - a read failed: read them one at a time
             self._poll_each()
             return
@@ -497,18 +483,7 @@ class Run:
     def step_ended(self) -> None:
         depth = self._step_depth - 1
         self._step_depth = depth if depth > 0 else 0
-        if _ACTIVE == [self]:  # the one run watching (runs compare by identity)
-            # _refresh_scope() for the one run watching (the common case), inlined: this runs every step
-            # (so does its twin in _Step.__exit__, which a marked step runs instead: a call less a step).
-            scope = self._scope
-            now = self._active and (depth > 0 or scope == "test" or (scope == "batch" and self._batch_depth > 0))
-            if now is not FLAGS.in_scope:
-                if FLAGS.listeners:
-                    _set_in_scope(now)
-                else:
-                    FLAGS.in_scope = now
-        else:
-            _refresh_scope()
+        _refresh_scope()
         if depth == 0 and self._step_events[1]:
             self._call(self._step_events[1])
 
@@ -524,7 +499,7 @@ class Run:
             self.step_started()
             return
         self.steps += 1
-        if self._polls:
+        if self._poll_reads:
             self._poll()
 
     def batch_started(self) -> None:
@@ -608,7 +583,7 @@ class Run:
 
 
 class _Step:
-    """The context manager of :meth:`Run.step` (a small class: it runs every step, so it is kept cheap)."""
+    """The context manager of :meth:`Run.step`: a step, inside a batch of its own unless one is open."""
 
     __slots__ = ("run",)
 
@@ -617,55 +592,15 @@ class _Step:
 
     def __enter__(self) -> Run:
         run = self.run
-        if run._step_depth or run._batch_depth or not run._active:
-            return self._enter_nested(run)
-        # The usual step (not nested, no batch open, the run active): step_started() and batch_started()
-        # inlined, one scope update, the fewest tests: this runs every step.
-        run.steps += 1
-        run.batches += 1
-        run._step_depth = run._batch_depth = 1
-        flags = FLAGS
-        if not flags.in_scope:  # a step puts its run in scope, whatever the scope option
-            if flags.listeners:
-                _set_in_scope(True)
-            else:
-                flags.in_scope = True
-        reads = run._poll_reads  # run._poll(), inlined
-        if reads:
-            try:
-                values = tuple(map(_call_read, reads))
-            except Exception:  # noqa: BLE001 - a read failed: read them one at a time
-                run._poll_each()
-            else:
-                if any(values):
-                    run._hits(values)
-        if run._step_events[0]:
-            run._call(run._step_events[0])
-        return run
-
-    def _enter_nested(self, run: Run) -> Run:
-        """``__enter__`` of a step inside another one or inside an open batch (or of a run not active)."""
         if not run._active:
             raise RuntimeError("run.step() used outside its `with torchperf.watch()` block")
-        if run._batch_depth == 0:
+        if not run._batch_depth:
             run.batches += 1
-        run._batch_depth = 1
+            run._batch_depth = 1
         run.step_started()
         return run
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         run = self.run
-        if run._step_depth == 1 and run._scope != "test" and _ACTIVE == [run]:
-            # The usual step's end, the one run watching: _refresh_scope() inlined (out of scope now).
-            run._step_depth = run._batch_depth = 0
-            flags = FLAGS
-            if flags.in_scope:
-                if flags.listeners:
-                    _set_in_scope(False)
-                else:
-                    flags.in_scope = False
-            if run._step_events[1]:
-                run._call(run._step_events[1])
-            return
         run._batch_depth = 0  # a step closes its batch: out of a "batch" scope too
         run.step_ended()

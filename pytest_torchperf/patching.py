@@ -19,7 +19,7 @@ import weakref
 from types import ModuleType
 from typing import Any, Callable, Hashable, Iterator, Optional, TypeVar
 
-from . import _slots
+from . import _guard, _slots
 
 __all__ = ["Patch", "Patcher", "SlotPatchUnsupported", "lift_all", "relay_all", "wraps"]
 
@@ -44,6 +44,8 @@ def wraps(original: Any) -> Callable[[_F], _F]:
     watch makes over a hundred. A C callable's attributes cannot change, so they are read once. Only
     functions of modules and classes are kept (a builtin bound to some other object would keep it alive).
     """
+
+    original = _guard.original_of(original)  # a probe's wrapper shows torch's function, not the tracked one
 
     def decorate(wrapper: _F) -> _F:
         bound = getattr(original, "__self__", None)
@@ -245,8 +247,9 @@ class Patcher:
     """Collects undo actions; :meth:`undo` runs them newest first, once."""
 
     def __init__(self, contain: Optional[Callable[[BaseException], None]] = None) -> None:
-        #: The engine's guard of a probe's patcher: every wrapper :meth:`wrap` sets is contained, its own
-        #: errors handed to this (the probe's failure) and the user's call finished (:mod:`._guard`).
+        #: The engine's guard of a probe's patcher: every wrapper :meth:`wrap` sets is built around a tracked
+        #: original and contained, its own errors handed to this (the probe's failure) and the user's call
+        #: finished (:mod:`._guard`).
         self.contain = contain
         #: Callables, and the layers of patches (``(layers, value)`` tuples, see :class:`_Layers`).
         self._undo: list[Any] = []
@@ -353,12 +356,11 @@ class Patcher:
         return self.setattr(owner, name, wrapper)
 
     def _made(self, make: Callable[[Any], Any], original: Any) -> Any:
-        wrapper = make(original)
-        if self.contain is None or not callable(wrapper):
-            return wrapper
-        from ._guard import contain
-
-        return contain(wrapper, original, self.contain)
+        """``make(original)``; for a probe's patcher, built around the tracked original and contained
+        (:func:`._guard.contain`)."""
+        if self.contain is None or not callable(original):
+            return make(original)
+        return _guard.contain(make, original, self.contain)
 
     @contextlib.contextmanager
     def reusing(self, scope: Hashable) -> Iterator[None]:

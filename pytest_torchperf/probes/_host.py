@@ -18,6 +18,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
+from .._guard import handing_over
 from ..core import FLAGS
 from ..frames import StackCache, caller, describe_frame, kind_of
 from ..stacks import TORCH, USER, Frame, Stack
@@ -498,7 +499,8 @@ class _SubclassDispatch:
 
     def call(self, original: Callable[..., Any], this: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         relevant = (this,) + tuple(a for a in args if self._has_any((a,)))
-        return self._handle(original, relevant, this, *args, **kwargs)
+        # torch's own function to the subclass (not the guard's tracked one), recorded as the original's call
+        return handing_over(original, self._handle, relevant, this, *args, **kwargs)
 
 
 def subclass_dispatch(torch: Any) -> _SubclassDispatch:
