@@ -28,9 +28,9 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from pytest_torchperf.baseline import observe
+from pytest_torchperf.glue.baseline import observe
+from pytest_torchperf.glue.trace import StepTrace
 from pytest_torchperf.options import parse_options
-from pytest_torchperf.trace import StepTrace
 from pytest_torchperf.watch import watching
 
 try:

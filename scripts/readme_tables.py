@@ -28,7 +28,8 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pytest_torchperf import core, figures, registry, results, settings  # noqa: E402
+from pytest_torchperf import core, figures, registry  # noqa: E402
+from pytest_torchperf.glue import results, settings  # noqa: E402
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"

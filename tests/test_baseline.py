@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pytest_torchperf import stacks
-from pytest_torchperf.baseline import (
+from pytest_torchperf.glue.baseline import (
     SCHEMA,
     Baseline,
     BaselineError,

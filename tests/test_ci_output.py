@@ -86,7 +86,7 @@ def test_the_header_is_computed_without_importing_an_invariant_module(pytester: 
     code = textwrap.dedent(
         """
         import sys
-        from pytest_torchperf import ci
+        from pytest_torchperf.glue import ci
         print(ci.header_line(ci.entry_point_names(), baseline_path="b.json"))
         print(sorted(m for m in sys.modules if m.startswith(("pytest_torchperf.invariants", "acme_nothing", "torch"))))
         """

@@ -8,8 +8,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from pytest_torchperf.glue.results import SCHEMA_VERSION
 from pytest_torchperf.report import FAILED, CheckResult, Finding, Report, Site
-from pytest_torchperf.results import SCHEMA_VERSION
 
 SUITE = """
     import pytest
@@ -315,7 +315,7 @@ def test_default_output_is_capped_and_verbose_shows_everything() -> None:
 
 
 def test_a_figure_named_like_the_process_merge_is_an_ordinary_junit_property() -> None:
-    from pytest_torchperf.results import junit_properties
+    from pytest_torchperf.glue.results import junit_properties
 
     # no_oversubscription counts "ranks"; the per-process merge lives in "processes", never in the figures.
     alone = CheckResult("no_oversubscription", "passed", "ok", 0, [], {"ranks": 1, "workers": 2}).to_dict()

@@ -254,7 +254,7 @@ def test_a_ragged_last_batch_recompiles_a_lightning_fit_and_drop_last_passes(use
 
 
 def test_each_break_is_a_baseline_observation_keyed_by_its_site() -> None:
-    from pytest_torchperf.baseline import observe
+    from pytest_torchperf.glue.baseline import observe
 
     model = torch.nn.Linear(8, 1)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from pytest_torchperf.baseline import Observation
-from pytest_torchperf.github import (
+from pytest_torchperf.glue.baseline import Observation
+from pytest_torchperf.glue.github import (
     ERROR,
     WARNING,
     annotations,

@@ -92,7 +92,7 @@ def test_the_metadata_stub_declares_the_plugin_from_the_working_tree(tmp_path: P
     path, points = done.stdout.splitlines()
     # Found before any installed copy: the stub, or the tree's own metadata where an editable install left it.
     assert Path(path).parent in (stub, ROOT)
-    assert points == "['pytest_torchperf.plugin']"
+    assert points == "['pytest_torchperf.glue.plugin']"
 
 
 def _record(where: str, label: str = "`.item()`", status: str = "failed", confirmed: bool = False) -> dict:

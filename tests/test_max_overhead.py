@@ -29,9 +29,9 @@ except ImportError:  # pragma: no cover - the lightning package only
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from pytest_torchperf import InvariantViolation, NotMirrored, ParityResult, UsageError, parity, vanilla_fit, watch  # noqa: E402
+from pytest_torchperf.glue.results import merge_checks  # noqa: E402
 from pytest_torchperf.options import Options, parse_options  # noqa: E402
 from pytest_torchperf.report import Inconclusive, InconclusiveWarning  # noqa: E402
-from pytest_torchperf.results import merge_checks  # noqa: E402
 from pytest_torchperf.timing import (  # noqa: E402
     LOCK_ENV,
     MIN_ROUNDS,

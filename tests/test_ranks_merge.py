@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from pytest_torchperf import step, watch
+from pytest_torchperf.glue.results import junit_properties
 from pytest_torchperf.ranks import merge as merging
 from pytest_torchperf.ranks.merge import Part, merge
 from pytest_torchperf.ranks.wire import report_from_data, report_to_data
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Report, Site
-from pytest_torchperf.results import junit_properties
 from pytest_torchperf.stacks import Frame
 
 HERE = os.path.abspath(__file__)

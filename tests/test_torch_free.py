@@ -30,7 +30,7 @@ def test_this_environment_is_the_one_it_claims_to_be() -> None:
 
 
 def test_importing_the_plugin_does_not_import_torch() -> None:
-    code = "import sys, pytest_torchperf.plugin; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    code = "import sys, pytest_torchperf.glue.plugin; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

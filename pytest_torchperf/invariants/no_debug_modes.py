@@ -31,9 +31,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Callable, TypedDict
 
-from .. import trace
 from ..arguments import Argument, Flag
 from ..core import Check
+from ..glue import trace
 from ..probes import debug_modes
 from ..probes import graphs as graph_probe
 from ..registry import Invariant

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import pytest
 
-from ._lazy import lazy_module
-from .errors import suggest
+from .._lazy import lazy_module
+from ..errors import suggest
 
 if TYPE_CHECKING:
-    from . import registry
-    from .report import Report
+    from .. import registry
+    from ..report import Report
 else:  # loaded when a watched test is judged: an unmarked session pays nothing
     registry = lazy_module("pytest_torchperf.registry")
 

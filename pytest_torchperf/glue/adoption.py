@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Sequence
 
 import pytest
 
-from ._lazy import lazy_module
-from .constants import TRACE_STEPS
-from .text import plural
+from .._lazy import lazy_module
+from ..constants import TRACE_STEPS
+from ..text import plural
 
 if TYPE_CHECKING:
+    from ..report import Report
     from . import baseline, github, trace
-    from .report import Report
 else:  # loaded when a session uses them: an unmarked session pays nothing for them
-    baseline = lazy_module("pytest_torchperf.baseline")
-    github = lazy_module("pytest_torchperf.github")
-    trace = lazy_module("pytest_torchperf.trace")
+    baseline = lazy_module("pytest_torchperf.glue.baseline")
+    github = lazy_module("pytest_torchperf.glue.github")
+    trace = lazy_module("pytest_torchperf.glue.trace")
 _report = lazy_module("pytest_torchperf.report")
 
 __all__ = ["ANNOTATIONS", "add_options", "add_ini", "configure", "judge", "attach"]

@@ -22,15 +22,16 @@ from typing import TYPE_CHECKING, Any, Generator, Iterable, Optional
 
 import pytest
 
-from ._lazy import lazy_module
-from ._version import __version__
-from .constants import BUILTIN_INVARIANTS, INVARIANTS_ENTRY_POINT_GROUP
+from .._lazy import lazy_module
+from .._version import __version__
+from ..constants import BUILTIN_INVARIANTS, INVARIANTS_ENTRY_POINT_GROUP
 
 if TYPE_CHECKING:
-    from . import github, registry
-    from .ranks import child as _child
+    from .. import registry
+    from ..ranks import child as _child
+    from . import github
 else:  # loaded when a session reports on a watched test: an unmarked session pays nothing for them
-    github = lazy_module("pytest_torchperf.github")
+    github = lazy_module("pytest_torchperf.glue.github")
     registry = lazy_module("pytest_torchperf.registry")
     _child = lazy_module("pytest_torchperf.ranks.child")
 _report = lazy_module("pytest_torchperf.report")

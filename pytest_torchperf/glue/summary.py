@@ -1,7 +1,7 @@
 """The "torchperf summary" at the end of a session: sized by what matters, not by the suite.
 
 pytest-free: the plugin hands it the session's test entries (those of
-:func:`pytest_torchperf.results.test_entry`, on the xdist controller from the
+:func:`pytest_torchperf.glue.results.test_entry`, on the xdist controller from the
 reports its workers send) and writes the lines it returns.
 
 At default verbosity (and ``-q``) it is a session-level block:
@@ -29,13 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from ._lazy import lazy_module
-from .text import plural
+from .._lazy import lazy_module
+from ..text import plural
 
 if TYPE_CHECKING:
     from . import unchecked
 else:
-    unchecked = lazy_module("pytest_torchperf.unchecked")
+    unchecked = lazy_module("pytest_torchperf.glue.unchecked")
 
 __all__ = ["Line", "nothing_to_watch", "session_lines", "MAX_NOTES"]
 

@@ -45,7 +45,7 @@ import tokenize
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from .report import FAILED, InvariantViolation, Report
+from ..report import FAILED, InvariantViolation, Report
 
 __all__ = [
     "SCHEMA",

@@ -38,7 +38,7 @@ import tempfile
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from .constants import TRACE_STEPS
+from ..constants import TRACE_STEPS
 
 if TYPE_CHECKING:
     from .baseline import Observation

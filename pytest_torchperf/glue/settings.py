@@ -17,9 +17,9 @@ from typing import Any, Optional
 
 import pytest
 
+from ..constants import OVERHEAD_INCONCLUSIVE, SCOPES
+from ..errors import UsageError, suggest
 from . import adoption, project
-from .constants import OVERHEAD_INCONCLUSIVE, SCOPES
-from .errors import UsageError, suggest
 
 __all__ = ["Settings", "Threads", "add_options", "apply_threads", "resolve_settings", "session_defaults"]
 

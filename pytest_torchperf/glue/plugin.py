@@ -6,8 +6,8 @@ test report, and records every watched test's verdicts for the terminal
 summary, JUnit properties and the JSON report (on the xdist controller, from
 the reports its workers send). An unmarked test that does not request the
 fixture costs one marker lookup. The options and their precedence are in
-:mod:`pytest_torchperf.settings`; the baseline, annotations and traces in
-:mod:`pytest_torchperf.adoption`.
+:mod:`pytest_torchperf.glue.settings`; the baseline, annotations and traces in
+:mod:`pytest_torchperf.glue.adoption`.
 """
 
 from __future__ import annotations
@@ -23,23 +23,24 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Optional
 
 import pytest
 
+from .._lazy import lazy_module
+from ..constants import OVERHEAD_ROUNDS
+from ..errors import UsageError
 from . import adoption, ci, project, unchecked
-from ._lazy import lazy_module
-from .constants import OVERHEAD_ROUNDS
-from .errors import UsageError
 from .settings import Settings, Threads, add_options, apply_threads, resolve_settings, session_defaults
 
 if TYPE_CHECKING:
-    from . import baseline, results, stacks, summary
-    from .core import Run
-    from .options import Options
-    from .report import Report
-    from .timing import ParityResult
+    from .. import stacks
+    from ..core import Run
+    from ..options import Options
+    from ..report import Report
+    from ..timing import ParityResult
+    from . import baseline, results, summary
 else:  # loaded when the first test is watched (or a report needs them): an unmarked session pays nothing
-    baseline = lazy_module("pytest_torchperf.baseline")
-    results = lazy_module("pytest_torchperf.results")
+    baseline = lazy_module("pytest_torchperf.glue.baseline")
+    results = lazy_module("pytest_torchperf.glue.results")
     stacks = lazy_module("pytest_torchperf.stacks")
-    summary = lazy_module("pytest_torchperf.summary")
+    summary = lazy_module("pytest_torchperf.glue.summary")
 _options = lazy_module("pytest_torchperf.options")
 _report = lazy_module("pytest_torchperf.report")
 _timing = lazy_module("pytest_torchperf.timing")
@@ -117,7 +118,7 @@ def _marker_help(config: pytest.Config) -> str:
 
 def _judged_elsewhere() -> bool:
     """A rank process re-running the session (see :func:`pytest_torchperf.ranks.child.judged_elsewhere`)."""
-    from .ranks.child import judged_elsewhere
+    from ..ranks.child import judged_elsewhere
 
     return judged_elsewhere()
 
