@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pytest_torchperf.glue.baseline import observe
 from pytest_torchperf.glue.trace import StepTrace
 from pytest_torchperf.options import parse_options
-from pytest_torchperf.watch import watching
+from pytest_torchperf.watching import watching
 
 try:
     import pytorch_lightning as pl

@@ -220,7 +220,7 @@ def notify(event: str, *args: Any, in_scope: bool = False) -> None:
                     run.check_failed(name, exc)
 
 
-#: Set by :mod:`pytest_torchperf.watch`: removes a failed probe (and the probes that need it).
+#: Set by :mod:`pytest_torchperf.watching`: removes a failed probe (and the probes that need it).
 _probe_remover: list[Callable[[str], None]] = []
 
 

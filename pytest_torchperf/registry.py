@@ -78,7 +78,7 @@ class Invariant:
     - ``name``: the marker argument that turns it on (``no_host_sync``).
     - ``doc``: one line, shown in the README table and ``pytest --markers``.
     - ``check``: called as ``check(run)`` for every run that checks it; returns an object
-      with ``result() -> CheckResult`` and event methods (see :class:`pytest_torchperf.Check`).
+      with ``result() -> CheckResult`` and event methods (see :class:`pytest_torchperf.extend.Check`).
     - ``kind`` / ``default``: its own value. A :class:`~pytest_torchperf.arguments.Flag`
       invariant is on when ``True``; any other kind is on when not ``None``.
     - ``arguments``: settings that tune it (``allowed_syncs``...), each validated likewise.
@@ -207,7 +207,7 @@ class _Registry:
 def _validate(invariant: Any, source: str) -> None:
     if not isinstance(invariant, Invariant):
         raise UsageError(
-            f"pytest-torchperf: {source} provides {invariant!r}, not a pytest_torchperf.Invariant"
+            f"pytest-torchperf: {source} provides {invariant!r}, not a pytest_torchperf.extend.Invariant"
         )
     names = [invariant.name] + [a.name for a in invariant.arguments]
     for name in names:

@@ -170,7 +170,7 @@ def events_page() -> str:
         GENERATED,
         "",
         "A check receives each event as a method of the event's name (`def on_step_end(self): ...`); the "
-        "built-in probes send these (`pytest_torchperf.EVENTS`). Events are dispatched only to the checks "
+        "built-in probes send these (`pytest_torchperf.extend.EVENTS`). Events are dispatched only to the checks "
         "that define the method, and only while their run is active.",
         "",
         "| event | arguments: when it is sent |",

@@ -19,7 +19,8 @@ import torch
 from seed_tips_models import QUIET, trainer
 from step_check_helpers import write_module
 
-from pytest_torchperf import Check, Invariant, InvariantViolation, UsageError, register, unregister, watch
+from pytest_torchperf import InvariantViolation, UsageError, watch
+from pytest_torchperf.extend import Check, Invariant, register, unregister
 from pytest_torchperf.probes.graphs import PROBE as GRAPHS
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, CheckResult
 

@@ -144,7 +144,7 @@ def fit(module: Any, steps: int = 2, **options: Any) -> Report:
 
 def _diagnose(module: Any) -> str:
     from pytest_torchperf import core, stacks
-    from pytest_torchperf.watch import installed_probes
+    from pytest_torchperf.watching import installed_probes
 
     with watch():
         inside = (torch.randn, torch.Tensor.to, installed_probes(), list(core.active_runs()),

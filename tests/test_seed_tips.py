@@ -229,7 +229,7 @@ def test_everything_patched_is_pristine_after_passed_failed_and_crashed_tests(us
             assert snapshot() == BEFORE
             from pytest_torchperf.core import active_runs
             from pytest_torchperf.probes import data_parallel, grads, loaders, recompiles
-            from pytest_torchperf.watch import installed_probes
+            from pytest_torchperf.watching import installed_probes
             assert active_runs() == [] and installed_probes() == ()
             assert len(loaders.PROBE.created) == 0 and len(loaders.PROBE.loader_of) == 0
             assert len(data_parallel.PROBE.created) == 0

@@ -36,7 +36,7 @@ from ..core import Run
 from ..frameworks import lightning
 from ..options import Options
 from ..stacks import TORCHPERF, USER, classify, display_path
-from ..watch import finish, start, stop
+from ..watching import finish, start, stop
 from .wire import VERSION, report_to_data, write_json
 
 __all__ = ["ENV", "ChildRuns", "RankEntry", "RankSpec", "context", "describe_error", "error_of", "judged_elsewhere", "rank_of"]
