@@ -93,7 +93,7 @@ class AllowList:
         return self.match_frames(frame)
 
 
-def function_names(frame: Optional[FrameType], wanted: "set[str] | frozenset[str]") -> frozenset[str]:
+def function_names(frame: Optional[FrameType], wanted: set[str] | frozenset[str]) -> frozenset[str]:
     """Every function of the stack whose bare name is in ``wanted``, as qualified-name suffixes.
 
     ``wanted`` holds the function names allow-lists end with (:attr:`AllowList.function_names`);

@@ -102,7 +102,7 @@ class AutoSteps:
         self.disarmed_by = ""
 
 
-def arm(run: "Run") -> None:
+def arm(run: Run) -> None:
     """Arm ``run`` for automatic steps (a run with scope ``training_step`` whose steps are not marked yet)."""
     if getattr(run, "scope", None) != "training_step" or getattr(run, "_auto", None) is not None:
         return
@@ -114,7 +114,7 @@ def arm(run: "Run") -> None:
     _follow_backward(ARMED)
 
 
-def _follow_backward(armed: "_Armed") -> None:
+def _follow_backward(armed: _Armed) -> None:
     """The backward wrapper in while some armed run looks at backward passes, out once none does.
 
     It is taken out only when it is the attribute's top layer (nothing put over it since), so a wrapper
@@ -127,7 +127,7 @@ def _follow_backward(armed: "_Armed") -> None:
         armed.wrapped = None
 
 
-def _unhook(armed: "_Armed") -> None:
+def _unhook(armed: _Armed) -> None:
     """Remove the post-hook once no run is armed, unless torch is calling the post-hooks now."""
     if armed.count or armed.handle is None:
         return
@@ -145,7 +145,7 @@ def _unhook(armed: "_Armed") -> None:
     handle.remove()
 
 
-def found(run: "Run") -> str:
+def found(run: Run) -> str:
     """How the run's steps were found: ``"found at optimizer.step()"``, ``"found at backward()"`` or ``""``."""
     auto: Optional[AutoSteps] = getattr(run, "_auto", None)
     if auto is None or auto.disarmed_by == _MARKED or auto.mode is None:
@@ -153,7 +153,7 @@ def found(run: "Run") -> str:
     return AT_OPTIMIZER if auto.mode == "optimizer" else AT_BACKWARD
 
 
-def _disarm(run: "Run", auto: AutoSteps, why: str) -> None:
+def _disarm(run: Run, auto: AutoSteps, why: str) -> None:
     if auto.disarmed_by:
         return
     auto.disarmed_by = why
@@ -167,7 +167,7 @@ def _disarm(run: "Run", auto: AutoSteps, why: str) -> None:
         run.step_ended()
 
 
-def close(run: "Run") -> None:
+def close(run: Run) -> None:
     """The run stops: end its open automatic step (its checks see the step's end) and disarm it."""
     auto: Optional[AutoSteps] = getattr(run, "_auto", None)
     if auto is None or auto.disarmed_by:
@@ -183,13 +183,13 @@ def close(run: "Run") -> None:
         run.step_ended()
 
 
-def _marked_elsewhere(run: "Run", auto: AutoSteps) -> bool:
+def _marked_elsewhere(run: Run, auto: AutoSteps) -> bool:
     """Someone else counts steps in this run: a step is open that is not ours, or one was counted."""
     depth = run._step_depth - (1 if auto.open else 0)
     return depth > 0 or run.steps != auto.own
 
 
-def _begin(run: "Run", auto: AutoSteps) -> None:
+def _begin(run: Run, auto: AutoSteps) -> None:
     if auto.open:
         run.next_step()
     else:
@@ -198,7 +198,7 @@ def _begin(run: "Run", auto: AutoSteps) -> None:
     auto.own = run.steps
 
 
-def backward(run: "Run", auto: AutoSteps) -> None:
+def backward(run: Run, auto: AutoSteps) -> None:
     """A backward pass (not one the autograd engine started itself) in an armed run."""
     if auto.mode == "optimizer":
         return
@@ -211,7 +211,7 @@ def backward(run: "Run", auto: AutoSteps) -> None:
     _begin(run, auto)
 
 
-def optimizer_step(run: "Run", auto: AutoSteps, optimizer: Any) -> None:
+def optimizer_step(run: Run, auto: AutoSteps, optimizer: Any) -> None:
     """An optimizer stepped in an armed run."""
     if _marked_elsewhere(run, auto):
         _disarm(run, auto, _MARKED)
@@ -238,7 +238,7 @@ def optimizer_step(run: "Run", auto: AutoSteps, optimizer: Any) -> None:
     _follow_backward(ARMED)
 
 
-def _armed_runs() -> list[tuple["Run", AutoSteps]]:
+def _armed_runs() -> list[tuple[Run, AutoSteps]]:
     out = []
     for run in core.active_runs():
         auto = getattr(run, "_auto", None)
@@ -247,7 +247,7 @@ def _armed_runs() -> list[tuple["Run", AutoSteps]]:
     return out
 
 
-def install(patcher: "Patcher") -> None:
+def install(patcher: Patcher) -> None:
     """Hook optimizer steps and backward passes for armed runs (when torch is imported; undone by ``patcher``)."""
     patcher.callback(_reset)
     patcher.on_import("torch.autograd", lambda module: _install(patcher))
@@ -262,7 +262,7 @@ def _reset() -> None:
         handle.remove()
 
 
-def _install(patcher: "Patcher") -> None:
+def _install(patcher: Patcher) -> None:
     try:
         import torch
 

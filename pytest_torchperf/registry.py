@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from . import figures as _figures
 from .arguments import Argument, ArgumentKind, Choice, Flag, UsageError, suggest
@@ -134,7 +135,7 @@ class _Registry:
                 _add(found, invariant, source)
             self._invariants = found
         out = dict(self._invariants)
-        for name, invariant in self._extra.items():
+        for invariant in self._extra.values():
             _add(out, invariant, "register()")
         return out
 
@@ -327,7 +328,7 @@ def make_checks(run: Any) -> dict[str, Any]:
 
 
 #: Check classes made by factories whose handlers were verified (see :func:`~.declarations.verify_handlers`).
-_VERIFIED: "set[type]" = set()
+_VERIFIED: set[type] = set()
 
 
 def _probe_events(invariant: Invariant) -> dict[str, Any]:

@@ -125,7 +125,7 @@ class _Recorder:
         self.options: list[tuple[tuple[str, ...], dict[str, Any]]] = []
         self.ini: dict[str, dict[str, Any]] = {}
 
-    def getgroup(self, *args: Any, **kwargs: Any) -> "_Recorder":
+    def getgroup(self, *args: Any, **kwargs: Any) -> _Recorder:
         return self
 
     def addoption(self, *names: str, **kwargs: Any) -> None:

@@ -69,7 +69,10 @@ def main() -> int:
     outcomes = {t["nodeid"]: t["outcome"] for t in doc["tests"]}
     assert outcomes == {"test_smoke.py::test_buggy": "failed", "test_smoke.py::test_fixed": "passed"}, outcomes
     assert doc["environment"]["pytest_torchperf"] == dist.version
-    print(f"smoke test ({kind}): pytest-torchperf {dist.version} works: the buggy test failed with its report, the fixed one did not")
+    print(
+        f"smoke test ({kind}): pytest-torchperf {dist.version} works: the buggy test failed with its report, the fixed "
+        "one did not"
+    )
     return 0
 
 

@@ -94,7 +94,12 @@ def test_xdist_gives_the_serial_verdicts_one_summary_and_the_same_json_report(us
     env = doc["environment"]
     assert env["torch"].startswith("2.") and env["pytest_torchperf"] and env["python"]
     assert env["cuda_available"] in (True, False) and env["device"]
-    assert doc["summary"] == {"tests": 5, "failed": 3, "checks_failed": {"no_iterator_reset": 3}, "checks_inconclusive": {}}
+    assert doc["summary"] == {
+        "tests": 5,
+        "failed": 3,
+        "checks_failed": {"no_iterator_reset": 3},
+        "checks_inconclusive": {},
+    }
     by_id = {t["nodeid"]: t for t in doc["tests"]}
     respawn = by_id["test_suite.py::test_marker_respawns"]
     assert respawn["outcome"] == "failed" and respawn["report_only"] is False
@@ -298,7 +303,10 @@ def _report_with(findings: int, sites: int) -> Report:
         FAILED,
         f"{findings} findings",
         findings,
-        [Finding(f"finding {i}", [], [Site(f"site {j}", stack) for j in range(sites)], "hint") for i in range(findings)],
+        [
+            Finding(f"finding {i}", [], [Site(f"site {j}", stack) for j in range(sites)], "hint")
+            for i in range(findings)
+        ],
     )
     return Report(checks={"no_iterator_reset": check})
 

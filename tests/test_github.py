@@ -71,5 +71,6 @@ def test_paths_fall_back_to_the_rootdir_and_the_test_itself(tmp_path) -> None:
     ]
     (only,) = annotations(found, rootdir=root, workspace=None)
     assert only.text() == (
-        "::error file=test_x.py,line=5,title=torchperf max_overhead::+40%25 over the plain loop [test: test_x.py::test_x]"
+        "::error file=test_x.py,line=5,title=torchperf max_overhead::+40%25 over the plain loop [test: "
+        "test_x.py::test_x]"
     )

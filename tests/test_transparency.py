@@ -366,7 +366,10 @@ def test_a_lightning_observer_that_fails_leaves_the_fit_untouched(
     assert set(report.checks) == {
         "no_host_sync", "on_device", "no_iterator_reset", "no_data_parallel", "no_graph_breaks", "no_debug_modes"
     }
-    assert all(c.status == Status.NOT_CHECKED and "internal error in probe lightning" in c.summary for c in report.checks.values())
+    assert all(
+        c.status == Status.NOT_CHECKED and "internal error in probe lightning" in c.summary
+        for c in report.checks.values()
+    )
 
 
 def test_a_check_that_fails_is_not_checked_and_the_others_still_judge(monkeypatch: pytest.MonkeyPatch) -> None:

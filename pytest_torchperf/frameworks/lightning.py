@@ -30,8 +30,9 @@ import functools
 import inspect
 import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from .. import core
 from ..patching import Patcher, wraps
@@ -83,7 +84,7 @@ class _Observer:
         #: Observed calls in flight, innermost last.
         self.calls: list[TrainerCall] = []
         #: Trainer -> the (args, kwargs) of its ``__init__``, for Trainers built while a run was watching.
-        self.init_args: "weakref.WeakKeyDictionary[Any, tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
+        self.init_args: weakref.WeakKeyDictionary[Any, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
         #: > 0 while torchperf runs Lightning itself (timing replays): calls then pass through unobserved.
         self.unobserved = 0
 
@@ -221,12 +222,12 @@ def _attach_to_fit(patcher: Patcher, trainer: Any, model: Any, package: str, bat
         callbacks = next((n for n in _CALLBACK_DISPATCHERS if callable(getattr(owner, n, None))), None)
         module_hook = next((n for n in _MODULE_DISPATCHERS if callable(getattr(owner, n, None))), None)
         if callbacks is not None and callbacks == module_hook:
-            patcher.wrap(owner, callbacks, lambda fn: _wrap_dispatcher(fn, "both", bound))
+            patcher.wrap(owner, callbacks, functools.partial(_wrap_dispatcher, role="both", bound=bound))
             continue
         if callbacks is not None:
-            patcher.wrap(owner, callbacks, lambda fn: _wrap_dispatcher(fn, "callbacks", bound))
+            patcher.wrap(owner, callbacks, functools.partial(_wrap_dispatcher, role="callbacks", bound=bound))
         if module_hook is not None:
-            patcher.wrap(owner, module_hook, lambda fn: _wrap_dispatcher(fn, "module", bound))
+            patcher.wrap(owner, module_hook, functools.partial(_wrap_dispatcher, role="module", bound=bound))
 
 
 class ObservedCall:
@@ -247,7 +248,7 @@ class ObservedCall:
         self.runs = list(core.active_runs()) if runs is None else runs
         self._local = Patcher()
 
-    def __enter__(self) -> "ObservedCall":
+    def __enter__(self) -> ObservedCall:
         call, model, local = self.call, self.model, self._local
         try:
             OBSERVER.trainers.append(call.trainer)

@@ -16,7 +16,8 @@ made), and passes in what it knows about a test; nothing here imports the plugin
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Sequence
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import pytest
 
@@ -71,9 +72,13 @@ def add_options(group: Any, annotations_type: Callable[[str], str]) -> None:
 
 
 def add_ini(parser: pytest.Parser) -> None:
-    parser.addini("torchperf_baseline", "the torchperf baseline file (relative to the ini file)", type="string", default="")
+    parser.addini(
+        "torchperf_baseline", "the torchperf baseline file (relative to the ini file)", type="string", default=""
+    )
     parser.addini("torchperf_annotations", "GitHub annotations: auto, on or off", type="string", default="")
-    parser.addini("torchperf_trace", "write Chrome traces of tests failing on a finding here", type="string", default="")
+    parser.addini(
+        "torchperf_trace", "write Chrome traces of tests failing on a finding here", type="string", default=""
+    )
 
 
 def judge(config: pytest.Config, nodeid: str, report: Report) -> Optional[baseline.Comparison]:
@@ -198,7 +203,7 @@ class _WorkerCollection:
 
 
 class _XdistCollection:
-    def __init__(self, adoption: "_Adoption") -> None:
+    def __init__(self, adoption: _Adoption) -> None:
         self.adoption = adoption
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:

@@ -42,8 +42,9 @@ import io
 import json
 import os
 import tokenize
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from ..report import FAILED, InvariantViolation, Report
 
@@ -173,7 +174,7 @@ class Observation:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Observation":
+    def from_dict(cls, data: dict[str, Any]) -> Observation:
         frame = data.get("user_frame")
         per_step = data.get("per_step")
         return cls(
@@ -425,7 +426,7 @@ class Baseline:
         self.path = path
 
     @classmethod
-    def load(cls, path: str, missing_ok: bool = False) -> "Baseline":
+    def load(cls, path: str, missing_ok: bool = False) -> Baseline:
         if not os.path.exists(path):
             if missing_ok:
                 return cls({}, path)
@@ -438,7 +439,7 @@ class Baseline:
         return cls.from_document(doc, path)
 
     @classmethod
-    def from_document(cls, doc: Any, path: Optional[str] = None) -> "Baseline":
+    def from_document(cls, doc: Any, path: Optional[str] = None) -> Baseline:
         where = path or "the baseline"
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
             raise BaselineError(f"{where} is not a pytest-torchperf baseline (no \"schema\": \"{SCHEMA}\")")

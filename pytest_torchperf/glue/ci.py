@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Generator, Iterable, Optional
+from collections.abc import Generator, Iterable
+from typing import TYPE_CHECKING, Any, Optional
 
 import pytest
 

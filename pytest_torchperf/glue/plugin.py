@@ -18,8 +18,9 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import pytest
 
@@ -224,7 +225,7 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
         pytest.skip(str(exc))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import UsageError, suggest
 
@@ -156,7 +157,9 @@ def check_names(names: Sequence[str], where: str) -> tuple[str, ...]:
         if not _IMPORT_NAME.match(name):
             fixed = re.sub(r"[^A-Za-z0-9_.]", "_", name)
             hint = f" (did you mean {fixed!r}?)" if _IMPORT_NAME.match(fixed) else ""
-            raise UsageError(f"pytest-torchperf: {where} entry {name!r} is not an import name like 'mypkg' or 'mypkg.sub'{hint}")
+            raise UsageError(
+                f"pytest-torchperf: {where} entry {name!r} is not an import name like 'mypkg' or 'mypkg.sub'{hint}"
+            )
         from ..stacks import package_locations
 
         if name not in sys.modules and not package_locations(name):
@@ -177,7 +180,9 @@ def _importable_names() -> list[str]:
         return []
 
 
-def user_packages(rootdir: str, named: Sequence[str] = (), named_by: str = "torchperf_user_packages") -> list[UserPackage]:
+def user_packages(
+    rootdir: str, named: Sequence[str] = (), named_by: str = "torchperf_user_packages"
+) -> list[UserPackage]:
     """The user's packages: the rootdir project's import packages, then the ones ``named`` in the settings."""
     from ..stacks import UserPackage
 

@@ -37,7 +37,8 @@ import json
 import os
 import platform
 import sys
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 from .._version import __version__
 from ..report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED

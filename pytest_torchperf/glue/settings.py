@@ -162,21 +162,29 @@ def add_options(parser: pytest.Parser) -> None:
     )
     adoption.add_options(group, _annotations_arg)
     parser.addini("torchperf_json", "write the torchperf JSON report to this path", type="string", default="")
-    parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
+    parser.addini(
+        "torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default=""
+    )
     parser.addini("torchperf_report_only", "report broken invariants without failing tests", type="bool", default=False)
-    parser.addini("torchperf_threads", "torch CPU threads per process: auto, off or a number", type="string", default="")
+    parser.addini(
+        "torchperf_threads", "torch CPU threads per process: auto, off or a number", type="string", default=""
+    )
     parser.addini(
         "torchperf_overhead_inconclusive",
         f"what an inconclusive max_overhead verdict does: {', '.join(OVERHEAD_INCONCLUSIVE)}",
         type="string",
         default="",
     )
-    parser.addini("torchperf_max_sync_rate", "default max_sync_rate of no_host_sync (0 to 1)", type="string", default="")
+    parser.addini(
+        "torchperf_max_sync_rate", "default max_sync_rate of no_host_sync (0 to 1)", type="string", default=""
+    )
     parser.addini(
         "torchperf_user_packages", "import packages that are your code even when installed", type="args", default=[]
     )
     adoption.add_ini(parser)
-    parser.addini("torchperf_full_stacks", "show every frame of a report's stacks: true or false", type="string", default="")
+    parser.addini(
+        "torchperf_full_stacks", "show every frame of a report's stacks: true or false", type="string", default=""
+    )
 
 
 def resolve_settings(config: pytest.Config) -> Settings:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import pytest
 

@@ -73,7 +73,7 @@ class StepWindows:
     Subclasses define :meth:`window_opened` (``counted``: past warm-up) and :meth:`window_closed`.
     """
 
-    def __init__(self, run: "Run", warmup: int) -> None:
+    def __init__(self, run: Run, warmup: int) -> None:
         run.wants_batches = True  # Lightning's batch boundaries, whatever the scope
         self._run = run
         self.warmup = warmup

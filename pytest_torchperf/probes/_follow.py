@@ -95,7 +95,7 @@ SKIP_FUNCTIONS = frozenset((
 ))
 
 
-def method_names(tensor_type: Any, skip: "frozenset[str] | set[str]") -> list[str]:
+def method_names(tensor_type: Any, skip: frozenset[str] | set[str]) -> list[str]:
     """The public, non in-place Tensor methods to wrap (the ones returning a new tensor)."""
     names = []
     for name in dir(tensor_type):
@@ -112,7 +112,7 @@ def method_names(tensor_type: Any, skip: "frozenset[str] | set[str]") -> list[st
     return names
 
 
-def function_names(torch: Any, skip: "frozenset[str] | set[str]") -> list[str]:
+def function_names(torch: Any, skip: frozenset[str] | set[str]) -> list[str]:
     """The public ``torch`` functions to wrap: torch's own operators and :data:`PY_FUNCTIONS`."""
     variable = getattr(torch._C, "_VariableFunctions", None)
     names = []
@@ -142,8 +142,8 @@ def _sources(args: tuple[Any, ...], kwargs: dict[str, Any], tensor_type: Any) ->
     return found
 
 
-def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any, skip_methods: "set[str]",
-            skip_functions: "set[str]") -> None:
+def install(probe: HostRegistry, patcher: Patcher, torch: Any, dispatch: Any, skip_methods: set[str],
+            skip_functions: set[str]) -> None:
     """Wrap the methods and functions above so their results keep host provenance; undone by ``patcher``."""
     tensor_type = torch.Tensor
     flags = FLAGS

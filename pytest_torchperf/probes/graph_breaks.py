@@ -86,7 +86,7 @@ class GraphBreaksProbe(ModuleProbe):
     #: Compiles are counted by the recompiles probe's compile-start callback.
     needs = ("recompiles",)
 
-    def _attach(self, patcher: "Patcher", symbolic_convert: Any) -> None:
+    def _attach(self, patcher: Patcher, symbolic_convert: Any) -> None:
         translator = getattr(symbolic_convert, "InstructionTranslatorBase", None)
         self.attached = callable(getattr(translator, "log_graph_break", None))
         if not self.attached:

@@ -107,7 +107,7 @@ class GraphsProbe(Probe):
         self._restore: Optional[tuple[bool, bool]] = None
         #: Optimizer steps counted by the one-shot hook (see :meth:`await_optimizer_step`), and the optimizers seen.
         self.optimizer_steps = 0
-        self.optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._armed = False
         self._hook: Any = None
         self._unhook = False
@@ -127,7 +127,7 @@ class GraphsProbe(Probe):
         #: Installed and not taken out: only then may a check's call register a global hook here.
         self._live = False
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         """Wrap the backward entry point; undone by ``patcher``."""
         import torch
         import torch.autograd
