@@ -328,7 +328,7 @@ class Patcher:
         self._adopting.add(owner)
         own = vars(owner).get("__init_subclass__")
 
-        def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        def __init_subclass__(cls: type, /, **kwargs: Any) -> None:
             if isinstance(own, classmethod):
                 own.__get__(None, cls)(**kwargs)
             else:

@@ -129,7 +129,7 @@ def attach(item: pytest.Item, report: pytest.TestReport, exc: Optional[BaseExcep
 
 
 def _attach_findings(
-    report: pytest.TestReport, exc: Optional[BaseException], runs: Sequence[Report], observations: list
+    report: pytest.TestReport, exc: Optional[BaseException], runs: Sequence[Report], observations: list[Any]
 ) -> None:
     """What the controller needs for the baseline and annotations, as plain data on the report."""
     from .. import report as _report
@@ -143,7 +143,7 @@ def _attach_findings(
 
 
 def _attach_trace(
-    item: pytest.Item, report: pytest.TestReport, exc: Optional[BaseException], observations: list
+    item: pytest.Item, report: pytest.TestReport, exc: Optional[BaseException], observations: list[Any]
 ) -> None:
     from .. import report as _report
     from . import trace

@@ -225,7 +225,7 @@ def observe(report: Report) -> list[Observation]:
             continue
         steps = check.figures.get(RATE_FIGURES.get(name, ""), None)
         steps = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
-        by_key: dict[tuple, Observation] = {}
+        by_key: dict[tuple[Any, ...], Observation] = {}
         for finding in check.findings:
             if finding.title.startswith(_NOT_FAILING):
                 continue
@@ -263,7 +263,7 @@ def observe(report: Report) -> list[Observation]:
 
 def merge_observations(observations: Iterable[Observation]) -> list[Observation]:
     """One observation per site over a test's runs: the highest count and rate of any run."""
-    merged: dict[tuple, Observation] = {}
+    merged: dict[tuple[Any, ...], Observation] = {}
     for obs in observations:
         key = (obs.key, obs.line)
         current = merged.get(key)
@@ -384,7 +384,7 @@ def _pair_in_order(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
 
 def compare(observations: Sequence[Observation], entries: Sequence[Entry]) -> Comparison:
     """Match a test's observations to its baseline entries by site; among equal sites, by line, in order."""
-    groups: dict[tuple, tuple[list[int], list[int]]] = {}
+    groups: dict[tuple[Any, ...], tuple[list[int], list[int]]] = {}
     for i, obs in enumerate(observations):
         groups.setdefault(obs.key, ([], []))[0].append(i)
     for j, entry in enumerate(entries):

@@ -173,7 +173,9 @@ class CiOutput:
                 report.torchperf_failed = True  # plain data: travels from xdist workers with the report
         return report
 
-    def pytest_report_teststatus(self, report: pytest.TestReport, config: pytest.Config) -> Optional[tuple]:
+    def pytest_report_teststatus(
+        self, report: pytest.TestReport, config: pytest.Config
+    ) -> Optional[tuple[str, str, str]]:
         if report.when == "call" and report.failed and getattr(report, "torchperf_failed", False):
             # A plain word: pytest colours it by the category, and pytest 7.0 prints a (word, markup) tuple as is.
             return "failed", STATUS_LETTER, "FAILED"

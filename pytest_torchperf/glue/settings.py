@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -190,7 +190,7 @@ def add_options(parser: pytest.Parser) -> None:
 def resolve_settings(config: pytest.Config) -> Settings:
     """Command line > ini > default, with ini values validated like command-line ones."""
 
-    def ini(name: str, check: Any) -> Optional[str]:
+    def ini(name: str, check: Callable[[str], Any]) -> Any:
         value = str(config.getini(name) or "").strip()
         if not value:
             return None
