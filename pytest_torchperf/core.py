@@ -64,6 +64,8 @@ EVENTS: dict[str, str] = {
     "on_ddp_armed": "(reducer): DDP's reducer was prepared for a backward: one all-reduce round armed",
     "on_dynamo_reset": "(): torch._dynamo.reset() emptied dynamo's caches (probe recompiles)",
     "on_graph_break": "(event): dynamo took a graph break while compiling (probe graph_breaks: a GraphBreak)",
+    "on_compiled_code_run": "(codes, breaks): a compiled function was called in a step, the first time in the "
+    "run: the code objects dynamo holds compiled code for, and the GraphBreaks in it (probe graph_breaks)",
     "on_run_end": "(): the run stops, its probes still installed (read probe state here, not in result())",
     "on_framework_call": "(call): another framework's training call began (frameworks._calls.FrameworkCall)",
     "on_batch_start": "(): a Lightning train batch begins (only for runs with `wants_batches`, see Run)",
