@@ -40,7 +40,7 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from . import core
+from . import core, frames
 from .core import FLAGS
 from .patching import wraps
 
@@ -157,6 +157,8 @@ def _disarm(run: "Run", auto: AutoSteps, why: str) -> None:
     if auto.disarmed_by:
         return
     auto.disarmed_by = why
+    if why == _MARKED:  # a backward pass or an optimizer step in a marked step: a library running now drives it
+        frames.note_drivers(sys._getframe(1))
     ARMED.count -= 1
     if auto.mode != "optimizer":
         ARMED.backward -= 1
@@ -193,6 +195,8 @@ def _begin(run: "Run", auto: AutoSteps) -> None:
     if auto.open:
         run.next_step()
     else:
+        if not auto.own:  # the run's first step: a library running now drives the loop
+            frames.note_drivers(sys._getframe(1))
         run.step_started()
         auto.open = True
     auto.own = run.steps
@@ -254,6 +258,7 @@ def install(patcher: "Patcher") -> None:
 
 
 def _reset() -> None:
+    frames.DRIVERS.clear()
     ARMED.count = 0
     ARMED.backward = 0
     handle, ARMED.handle, ARMED.hook = ARMED.handle, None, None

@@ -41,13 +41,13 @@ FRAMEWORK = "framework"
 LIBRARY = "library"
 USER = "user"
 
-#: Packages whose frames are the training framework's own code, not the user's.
+#: Packages whose frames are the training framework's own code, not the user's. (torchmetrics is a library
+#: the user calls from their own step: its syncs there are judged at the user's calling line.)
 _LIGHTNING_PACKAGES = (
     "pytorch_lightning",
     "lightning",
     "lightning_fabric",
     "lightning_utilities",
-    "torchmetrics",
 )
 #: (and the adapted frameworks' packages, ``frameworks.PACKAGES``).
 FRAMEWORK_PACKAGES: "tuple[str, ...]" = _LIGHTNING_PACKAGES + tuple(

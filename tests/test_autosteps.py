@@ -288,7 +288,7 @@ def test_a_fixture_watch_without_training_steps_is_not_green(pytester: pytest.Py
         result.assert_outcomes(passed=1, warnings=1 if mode == "warn" else 0)
     # The reason on the test's summary line and a count, without -v.
     result.stdout.fnmatch_lines([
-        "*test_inference (not checked: no_host_sync, on_device)*",
+        "*test_inference (not checked: no_debug_modes, no_host_sync, on_device)*",
         "*no_host_sync: not checked (no training step observed*",
         "*1 test with default invariants not checked*",
     ])

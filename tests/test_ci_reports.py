@@ -81,7 +81,7 @@ def test_xdist_gives_the_serial_verdicts_one_summary_and_the_same_json_report(us
     assert parallel.stdout.str().count("= torchperf summary =") == 1
     parallel.stdout.fnmatch_lines_random(
         [
-            "PASSED  test_many.py::test_loop[[]True[]] (not checked: no_host_sync, on_device)",
+            "PASSED  test_many.py::test_loop[[]True[]] (not checked: no_debug_modes, no_host_sync, on_device)",
             "FAILED  test_many.py::test_loop[[]False[]]",
             "*no_iterator_reset: failed (1 extra worker pool in 1 loader)*",
         ]
