@@ -86,7 +86,7 @@ def test_marked_steps_win(tmp_path: Path) -> None:
     module, _ = _loop(tmp_path)
     report = report_of(module.train, watch, batches(4), mark=True)  # type: ignore[attr-defined]
     assert report.steps == 4
-    assert report.steps_found == ""
+    assert report.steps_found == "marked with run.step()"
     assert report["no_host_sync"].status == "failed"
 
 
@@ -320,3 +320,18 @@ def test_the_ini_twin_sets_the_action(pytester: pytest.Pytester) -> None:
     )
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
+
+
+def test_a_lightning_fit_says_its_steps_were_marked_by_the_training_step(tmp_path: Path) -> None:
+    from seed_tips_models import Regressor, loader, trainer
+
+    from pytest_torchperf import InvariantViolation
+
+    try:
+        with watch() as run:
+            trainer(tmp_path, max_epochs=1).fit(Regressor(), loader())
+        report = run.report
+    except InvariantViolation as exc:
+        report = exc.report
+    assert report is not None
+    assert report.steps > 0 and report.steps_found == "marked by Lightning's training_step"
