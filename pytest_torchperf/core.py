@@ -113,6 +113,10 @@ class Events:
     def on_graph_break(self, event: Any) -> None:
         """dynamo took a graph break while compiling (probe graph_breaks: a GraphBreak)"""
 
+    def on_compiled_code_run(self, codes: Any, breaks: Any) -> None:
+        """a compiled function was called in a step, the first time in the run: the code objects dynamo holds
+        compiled code for, and the GraphBreaks in it (probe graph_breaks)"""
+
     def on_run_end(self) -> None:
         """the run stops, its probes still installed (read probe state here, not in result())"""
 

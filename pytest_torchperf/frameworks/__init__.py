@@ -49,7 +49,6 @@ PACKAGES = (
     "lightning",
     "lightning_fabric",
     "lightning_utilities",
-    "torchmetrics",
     "transformers",
     "accelerate",
     "ignite",

@@ -50,8 +50,8 @@ __all__ = [
 ]
 
 NAME = "lightning"
-#: Lightning's packages, and torchmetrics (its metrics sync on their own schedule).
-PACKAGES = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities", "torchmetrics")
+#: Lightning's packages (torchmetrics is a library the user calls: judged at the user's calling line).
+PACKAGES = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities")
 
 #: Trainer module -> the package it belongs to.
 _TRAINER_MODULES = {

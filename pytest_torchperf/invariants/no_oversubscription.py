@@ -36,7 +36,7 @@ from ..arguments import Flag
 from ..core import Check
 from ..probes.threads import PROBE
 from ..registry import Invariant
-from ..report import FAILED, PASSED, CheckResult, Finding, Site
+from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..text import plural
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class OversubscriptionCheck(Check):
             "threads": total,
         }
         if not self.main:
-            return CheckResult(NAME, PASSED, "no training step ran: nothing to count", 0, [], figures)
+            return CheckResult(NAME, NOT_CHECKED, "no training step ran: nothing to count", 0, [], figures)
         if total <= cores:
             summary = f"{plural(total, 'CPU thread')} for {plural(cores, 'core')}"
             return CheckResult(NAME, PASSED, summary, 0, [], figures)
