@@ -47,10 +47,12 @@ class Events:
     name receives (checked when an invariant is registered) and whose docstring says when it is sent.
     """
 
-    def on_trainer_call(self, kind: Any, trainer: Any, model: Any) -> None:
-        """a Lightning Trainer.fit/validate/test/predict call begins"""
+    def on_framework_call(self, call: Any) -> None:
+        """a framework's training call begins (Lightning's Trainer.fit/validate/test/predict, the Hugging Face
+        Trainer.train, Ignite's Engine.run): a frameworks._calls.FrameworkCall (framework, kind, trainer, model,
+        package, args, kwargs)"""
 
-    def on_trainer_call_end(self, kind: Any, trainer: Any, model: Any) -> None:
+    def on_framework_call_end(self, call: Any) -> None:
         """that call returned or raised"""
 
     def on_step_start(self) -> None:
@@ -115,9 +117,6 @@ class Events:
 
     def on_run_end(self) -> None:
         """the run stops, its probes still installed (read probe state here, not in result())"""
-
-    def on_framework_call(self, call: Any) -> None:
-        """another framework's training call began (frameworks._calls.FrameworkCall)"""
 
     def on_batch_start(self) -> None:
         """a Lightning train batch begins (only for runs with `wants_batches`, see Run)"""

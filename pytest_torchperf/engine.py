@@ -34,7 +34,6 @@ from typing import Any, Callable, Optional, Protocol
 
 from . import autosteps, core, dynamo_frames, frameworks, registry, stacks
 from .core import Run
-from .frameworks import lightning
 from .patching import Patcher, lift_all, relay_all
 from .probes import relocate_warnings
 
@@ -167,7 +166,6 @@ class Engine:
         base = self.base = Patcher()
         _keep_torch_caches(base)
         relocate_warnings(base)
-        lightning.install(base)
         frameworks.install(base)
         for extension in self.extensions:
             extension.install(base)
