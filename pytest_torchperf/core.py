@@ -328,7 +328,7 @@ class Run:
 
     What probes and checks may read: :attr:`steps`, :attr:`batches`,
     :attr:`active`, :attr:`in_scope`, :attr:`in_step`, :attr:`scope`,
-    :attr:`unit`, :attr:`units` and :meth:`check`.
+    :attr:`unit`, :attr:`units`, :meth:`check` and :meth:`probe`.
     """
 
     def __init__(self, options: Any) -> None:
@@ -344,6 +344,8 @@ class Run:
         self.internal_errors: dict[str, str] = {}
         #: Invariant name -> the probes it needed (for "not checked" when one of them failed).
         self.probes_of: dict[str, tuple[str, ...]] = {}
+        #: Probe name -> the instance the engine installed for this run (set when it starts; :meth:`probe`).
+        self.probes: dict[str, Any] = {}
         self._scope: str = getattr(options, "scope", "training_step")
         self._step_depth = 0
         self._batch_depth = 0
@@ -404,6 +406,14 @@ class Run:
     @property
     def unit_name(self) -> str:
         return "batch" if self._scope == "batch" else "step"
+
+    def probe(self, name: str) -> Any:
+        """The probe ``name`` the engine installed for this run's invariants (a check asks its run for it)."""
+        try:
+            return self.probes[name]
+        except KeyError:
+            installed = sorted(self.probes)
+            raise KeyError(f"probe {name!r} was not installed for this run; its probes: {installed}") from None
 
     def check(self, name: str) -> Optional[Any]:
         """This run's check of invariant ``name``, or None when it does not check it."""
