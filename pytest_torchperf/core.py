@@ -47,10 +47,12 @@ class Events:
     name receives (checked when an invariant is registered) and whose docstring says when it is sent.
     """
 
-    def on_trainer_call(self, kind: Any, trainer: Any, model: Any) -> None:
-        """a Lightning Trainer.fit/validate/test/predict call begins"""
+    def on_framework_call(self, call: Any) -> None:
+        """a framework's training call begins (Lightning's Trainer.fit/validate/test/predict, the Hugging Face
+        Trainer.train, Ignite's Engine.run): a frameworks._calls.FrameworkCall (framework, kind, trainer, model,
+        package, args, kwargs)"""
 
-    def on_trainer_call_end(self, kind: Any, trainer: Any, model: Any) -> None:
+    def on_framework_call_end(self, call: Any) -> None:
         """that call returned or raised"""
 
     def on_step_start(self) -> None:
@@ -119,9 +121,6 @@ class Events:
 
     def on_run_end(self) -> None:
         """the run stops, its probes still installed (read probe state here, not in result())"""
-
-    def on_framework_call(self, call: Any) -> None:
-        """another framework's training call began (frameworks._calls.FrameworkCall)"""
 
     def on_batch_start(self) -> None:
         """a Lightning train batch begins (only for runs with `wants_batches`, see Run)"""
@@ -333,7 +332,7 @@ class Run:
 
     What probes and checks may read: :attr:`steps`, :attr:`batches`,
     :attr:`active`, :attr:`in_scope`, :attr:`in_step`, :attr:`scope`,
-    :attr:`unit`, :attr:`units` and :meth:`check`.
+    :attr:`unit`, :attr:`units`, :meth:`check` and :meth:`probe`.
     """
 
     def __init__(self, options: Any) -> None:
@@ -349,6 +348,8 @@ class Run:
         self.internal_errors: dict[str, str] = {}
         #: Invariant name -> the probes it needed (for "not checked" when one of them failed).
         self.probes_of: dict[str, tuple[str, ...]] = {}
+        #: Probe name -> the instance the engine installed for this run (set when it starts; :meth:`probe`).
+        self.probes: dict[str, Any] = {}
         self._scope: str = getattr(options, "scope", "training_step")
         self._step_depth = 0
         self._batch_depth = 0
@@ -409,6 +410,14 @@ class Run:
     @property
     def unit_name(self) -> str:
         return "batch" if self._scope == "batch" else "step"
+
+    def probe(self, name: str) -> Any:
+        """The probe ``name`` the engine installed for this run's invariants (a check asks its run for it)."""
+        try:
+            return self.probes[name]
+        except KeyError:
+            installed = sorted(self.probes)
+            raise KeyError(f"probe {name!r} was not installed for this run; its probes: {installed}") from None
 
     def check(self, name: str) -> Optional[Any]:
         """This run's check of invariant ``name``, or None when it does not check it."""

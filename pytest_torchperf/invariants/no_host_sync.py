@@ -25,7 +25,6 @@ from ..allow import AllowList
 from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import Located, describe_frame, owner_label, stack_of
-from ..frameworks import lightning
 from ..probes.syncs import PROBE, WOULD, Op, Sync
 from ..registry import Invariant
 from ..report import CheckResult, Finding, Site
@@ -235,7 +234,7 @@ class HostSyncCheck(Check):
         key = (event.op.name, located.frame.f_code, located.frame.f_lineno, allowed_by)
         site = self._sites.get(key)
         if site is None:
-            in_lightning = lightning.current_call() is not None
+            in_lightning = frameworks.current_call("lightning") is not None
             stack = stack_of(event.frame)
             if located.library:  # the user's line is the site: the library's frames inside it are not shown
                 stack = until_user_frame(stack)

@@ -41,6 +41,7 @@ from ..text import plural
 
 if TYPE_CHECKING:
     from ..core import Run
+    from ..frameworks._calls import FrameworkCall
 
 NAME = "no_oversubscription"
 _ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -79,7 +80,8 @@ class OversubscriptionCheck(Check):
             workers = int(getattr(loader, "num_workers", 0) or 0)
             self.pools[id(loader)] = (workers, bool(getattr(loader, "persistent_workers", False)))
 
-    def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
+    def on_framework_call(self, call: FrameworkCall) -> None:
+        trainer = call.trainer
         devices = int(getattr(trainer, "num_devices", 1) or 1)
         if devices > 1 and int(getattr(trainer, "world_size", 1) or 1) > 1:
             self.ranks, self.ranks_from = devices, f"the Trainer runs {devices} processes on this machine"

@@ -25,9 +25,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+from .. import frameworks
 from ..clocks import perf_counter
 from ..core import suspended
-from ..frameworks import lightning
 from ..stacks import Stack
 from ..timing import (
     WARMUP_BATCHES,
@@ -553,7 +553,7 @@ def run_replay(fit: ObservedFit, max_overhead: Optional[float], rounds: int) -> 
         with suspended() as outer, timing_lock() as lock:
             if outer:
                 notes.append("another torchperf run was watching during the timing: its probes were installed")
-            with frozen_heap(), LoadMeter() as load, _isolated_rng(), _quiet(), lightning.unobserved():
+            with frozen_heap(), LoadMeter() as load, _isolated_rng(), _quiet(), frameworks.unobserved():
                 started = perf_counter()
                 trainer = type(fit.trainer)(**kwargs)
                 trainer.fit(**fit_kwargs)
