@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
+from .._guard import caller_frame
 from ..core import FLAGS
 from ..patching import wraps
 from ..stacks import Frame, Stack, capture
@@ -144,7 +145,7 @@ class GraphBreaksProbe(ModuleProbe):
             def _callback_from_stance(callback: Any) -> Any:
                 if flags.in_scope and not probe.disabled:
                     try:
-                        caller = sys._getframe(1)
+                        caller = caller_frame()  # dynamo's compile_wrapper, past the engine's guard
                         if caller.f_code.co_name == "compile_wrapper":
                             fn = caller.f_locals.get("fn")
                             if fn is not None and id(fn) not in done:
