@@ -338,27 +338,38 @@ class Patcher:
 
     def wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> "Patch":
         """Replace ``owner.name`` by ``make(original)`` (inside :meth:`reusing`: the wrapper kept from the last
-        time, when ``owner.name`` is still the very object it wrapped)."""
+        time, when ``owner.name`` is still the very object it wrapped).
+
+        A module's function is replaced by a :class:`~pytest_torchperf._transparent.Transparent` holding the
+        wrapper: it compares equal to the function and hashes alike (``op == torch.lt`` keeps its answer).
+        """
         original = getattr(owner, name)
+        transparent = isinstance(owner, ModuleType) and not isinstance(original, type)
         scope = self._reuse
         if scope is None:
-            return self.setattr(owner, name, self._made(make, original))
+            return self.setattr(owner, name, self._made(make, original, transparent))
         key = (scope, id(owner), name)
         kept = _KEPT.get(key)
         if kept is not None and kept[0] is owner and kept[1] is original:
             wrapper = kept[2]
         else:
-            wrapper = self._made(make, original)
+            wrapper = self._made(make, original, transparent)
             _KEPT[key] = (owner, original, wrapper)
         return self.setattr(owner, name, wrapper)
 
-    def _made(self, make: Callable[[Any], Any], original: Any) -> Any:
+    def _made(self, make: Callable[[Any], Any], original: Any, transparent: bool = False) -> Any:
         wrapper = make(original)
-        if self.contain is None or not callable(wrapper):
+        if not callable(wrapper):
             return wrapper
-        from ._guard import contain
+        if self.contain is not None:
+            from ._guard import contain
 
-        return contain(wrapper, original, self.contain)
+            wrapper = contain(wrapper, original, self.contain)
+        if transparent:
+            from ._transparent import Transparent
+
+            wrapper = Transparent(wrapper, original)
+        return wrapper
 
     @contextlib.contextmanager
     def reusing(self, scope: Hashable) -> Iterator[None]:
