@@ -32,13 +32,16 @@ def root_of(function: Any) -> Any:
     return function._root if isinstance(function, Transparent) else function
 
 
-class Transparent(functools.partial):  # type: ignore[type-arg]
+class Transparent(functools.partial):  # type: ignore[type-arg,unused-ignore]
     """A wrapper of ``original`` that compares equal to it and hashes alike (see the module's docstring)."""
+
+    #: The function first wrapped (the same for every holder stacked over it).
+    _root: Any
 
     def __new__(cls, wrapper: Any, original: Any) -> "Transparent":
         self = super().__new__(cls, wrapper)
         self._root = root_of(original)
-        self.__wrapped__ = original
+        self.__dict__["__wrapped__"] = original
         for name in ("__name__", "__qualname__", "__module__"):
             if hasattr(original, name):
                 self.__dict__[name] = getattr(original, name)
