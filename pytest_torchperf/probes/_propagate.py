@@ -158,7 +158,8 @@ def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any
         def fn(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True
             out = original(*args, **kwargs)
-            if traced and args and not is_compiling() and flags.active:
+            # nothing of torchperf's read while dynamo traces
+            if not is_compiling() and traced and args and flags.active:
                 try:
                     if many:
                         first = args[0]
