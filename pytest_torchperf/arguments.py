@@ -188,17 +188,19 @@ _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*$")
 
 @dataclass(frozen=True)
 class Share(Number):
-    """A fraction greater than ``above`` and at most ``most`` (``0.10`` means 10%, ``2.5`` means 250%), or the
-    same written as a percentage (``"10%"``, ``"250%"``).
+    """A fraction greater than ``above`` (``0.10`` means 10%, ``2.5`` means 250%), or the same written as a
+    percentage (``"10%"``, ``"250%"``), at most ``most`` in either form.
 
-    The rule for a bare number: one of ``most`` or less is a fraction, except a whole number above 1
+    The rule for a bare number: up to ``bare_most`` it is a fraction, except a whole number above 1
     (``max_overhead=50``, ``=5``), which reads as a percentage typed without its sign and is refused with
-    "did you mean" (``0.5`` or ``"50%"``): a 5 meant as 5% would otherwise pass what it should fail. A number
-    above ``most`` is refused the same way. A percentage string is taken as written, up to ``most``.
+    "did you mean" (``0.5`` or ``"50%"``): a 5 meant as 5% would otherwise pass what it should fail. A bare
+    number above ``bare_most`` is refused the same way. A percentage string is taken as written.
     """
 
-    #: The largest allowance accepted, as a fraction (1.0: 100%).
-    most: float = 1.0
+    #: The largest bare number taken as a fraction (1.0: 100%).
+    bare_most: float = 1.0
+    #: The largest allowance in any form, as a fraction (100.0: 10000%).
+    most: float = 100.0
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:
         if isinstance(value, str):
@@ -213,10 +215,10 @@ class Share(Number):
                 )
             return value
         out = super().validate(value, where, name, meaning)
-        if out is None or out <= 1 or (out <= self.most and not out.is_integer()):
+        if out is None or out <= 1 or (out <= self.bare_most and not out.is_integer()):
             return out
         meant = f"did you mean {name}={out / 100:g} or {name}=\"{out:g}%\"?"
-        if out <= self.most:  # a whole number: say how to write that allowance if it was meant
+        if out <= self.most:  # say how to write that allowance if it was meant
             meant += f" (for {out:.0%}, write {name}=\"{out * 100:g}%\")"
         raise UsageError(
             f"{where}: {name}={value!r} reads as a percentage typed without its % sign: {meant}; "
@@ -225,13 +227,14 @@ class Share(Number):
 
     def describe(self, meaning: str = "") -> str:
         return (
-            f"a number > {self.above:g} and at most {self.most:g}{self._unit()}, or a percentage such as '10%'"
+            f"a number > {self.above:g} and at most {self.bare_most:g}{self._unit()}, or a percentage such as '10%' "
+            f"(at most {self.most:.0%})"
             f"{_about(meaning)}" + (" or None" if self.optional else "")
         )
 
     def schema(self) -> dict[str, Any]:
         types = ["number", "string", "null"] if self.optional else ["number", "string"]
-        return {"type": types, "exclusiveMinimum": self.above, "maximum": self.most, "pattern": r"^[0-9.]+%$"}
+        return {"type": types, "exclusiveMinimum": self.above, "maximum": self.bare_most, "pattern": r"^[0-9.]+%$"}
 
 
 @dataclass(frozen=True)

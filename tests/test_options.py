@@ -32,7 +32,7 @@ def test_max_overhead_enables_its_check_and_is_stored_as_float() -> None:
         ({"no_host_sync": 1}, "no_host_sync must be True or False, got 1 (int)"),
         ({"on_device": "yes"}, "on_device must be True or False, got 'yes' (str)"),
         ({"max_overhead": "ten%"}, "max_overhead must be a number > 0 and at most 10 (a fraction: 0.10 means 10%, 2.5 "
-         "means 250%), or a percentage such as '10%' or None, got 'ten%'"),
+         "means 250%), or a percentage such as '10%' (at most 10000%) or None, got 'ten%'"),
         ({"max_overhead": 50}, "max_overhead=50 reads as a percentage typed without its % sign: did you mean "
          "max_overhead=0.5 or max_overhead=\"50%\"?"),
         ({"max_overhead": True}, "max_overhead must be a number > 0"),

@@ -311,7 +311,7 @@ def test_the_holder_that_grew_every_step_is_named_first(pytester: pytest.Pyteste
 @pytest.mark.parametrize(
     "value, expected",
     [(0.5, 0.5), ("50%", 0.5), ("150%", 1.5), (1.0, 1.0), (1, 1.0), (2.5, 2.5), ("250%", 2.5), (10.0 - 0.5, 9.5),
-     ("1000%", 10.0), ("12.5%", 0.125)],
+     ("10000%", 100.0), ("12.5%", 0.125)],
 )
 def test_max_overhead_is_a_fraction_or_a_percentage_written_out(value: object, expected: float) -> None:
     from pytest_torchperf import parse_options
@@ -325,9 +325,10 @@ def test_max_overhead_is_a_fraction_or_a_percentage_written_out(value: object, e
         (5, 'max_overhead=5 reads as a percentage typed without its % sign: did you mean max_overhead=0.05 or '
             'max_overhead="5%"? (for 500%, write max_overhead="500%")'),
         (3.0, 'did you mean max_overhead=0.03 or max_overhead="3%"? (for 300%, write max_overhead="300%")'),
-        (50, 'did you mean max_overhead=0.5 or max_overhead="50%"?; max_overhead is a number > 0 and at most 10'),
+        (50, 'did you mean max_overhead=0.5 or max_overhead="50%"? (for 5000%, write max_overhead="5000%"); '
+             'max_overhead is a number > 0 and at most 10'),
         (12.5, 'did you mean max_overhead=0.125 or max_overhead="12.5%"?'),
-        ("1500%", "max_overhead must be a finite number > 0 and at most 1000%"),
+        ("20000%", "max_overhead must be a finite number > 0 and at most 10000%"),
     ],
 )
 def test_a_whole_number_or_a_number_above_ten_is_refused_as_a_percentage_without_its_sign(
