@@ -26,6 +26,7 @@ early look after two rounds is not taken: the machine was loaded).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import resource
@@ -59,8 +60,8 @@ def setup() -> None:
 
 def one_test(root: str, case: str, marked: bool, overhead_rounds: int) -> dict[str, Any]:
     """One test of ``case``: the fit watched with the defaults, and with ``max_overhead`` when ``marked``."""
-    from bench_overhead_load import CASES
     from bench_max_overhead import make_trainer
+    from bench_overhead_load import CASES
 
     from pytest_torchperf import InvariantViolation, watch
     from pytest_torchperf.report import Inconclusive
@@ -102,7 +103,8 @@ def round_runner(cases: list[str], overhead_rounds: int) -> Any:
             order = (False, True) if count[0] % 2 else (True, False)
             tests = {marked: one_test(scratch.name, case, marked, overhead_rounds) for marked in order}
             plain, marked = tests[False], tests[True]
-            out[case] = {**marked, "fits": (marked["cpu_s"] - plain["cpu_s"]) / plain["cpu_s"], "test_s": plain["cpu_s"]}
+            fits = (marked["cpu_s"] - plain["cpu_s"]) / plain["cpu_s"]
+            out[case] = {**marked, "fits": fits, "test_s": plain["cpu_s"]}
         return out
 
     one_round.scratch = scratch  # type: ignore[attr-defined]  # removed with the runner
@@ -116,11 +118,23 @@ def quartiles(values: list[float]) -> str:
     return f"{q[1]:.2f} [{q[0]:.2f}-{q[2]:.2f}]"
 
 
+def per_round(runs: list[dict[str, Any]]) -> str:
+    """The least-squares line ``fits = fixed + each x rounds``: a release's fixed part (warm-up, set-up) and price
+    of one round, apart (the rounds a verdict takes vary with the machine's load far more than either)."""
+    xs, ys = [float(r["rounds"]) for r in runs], [r["fits"] for r in runs]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return f"{my:.2f} at {mx:g} rounds"
+    each = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return f"{my - each * mx:.2f} + {each:.2f} x rounds"
+
+
 def report(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
     lines = [
         "| case | release | extra fits (CPU), median [IQR] | passed / failed / inconclusive | rounds median (max) "
-        "| overhead median | CPU wait median | a test marked with the defaults |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fits = fixed + per round | overhead median | CPU wait median | a test marked with the defaults |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for case, by_release in results.items():
         for release, runs in by_release.items():
@@ -130,7 +144,8 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
             waits = [r["wait"] or 0.0 for r in runs]
             lines.append(
                 f"| {case} | {release} | {quartiles([r['fits'] for r in runs])} | {' / '.join(map(str, verdicts))} "
-                f"| {statistics.median(rounds):g} ({max(rounds)}) | {statistics.median(overheads):+.1%} "
+                f"| {statistics.median(rounds):g} ({max(rounds)}) | {per_round(runs)} "
+                f"| {statistics.median(overheads):+.1%} "
                 f"| {statistics.median(waits):.0%} | {statistics.median(r['test_s'] for r in runs):.2f} s CPU |"
             )
     return lines
@@ -142,7 +157,8 @@ def main() -> int:
     parser.add_argument("--case", choices=("all", "far", "heavy"), default="all")
     parser.add_argument("--overhead-rounds", type=int, default=10, help="the check's overhead_rounds (default 10)")
     parser.add_argument("--against", metavar="PATH", help="another checkout (the previous release), interleaved")
-    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (seconds; the figures mean nothing)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny setting for CI (the figures mean nothing)")
+    parser.add_argument("--json", help="write every round's figures here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
@@ -167,8 +183,8 @@ def main() -> int:
                     r = figures[case]
                     results[case].setdefault(release, []).append(r)
                     print(
-                        f"round {i + 1:2d} {release:8} {case:5}: {r['fits']:.2f} fits, {r['verdict']}, {r['rounds']} rounds, "
-                        f"{r['overhead']:+.1%}, wait {r['wait'] or 0:.0%}",
+                        f"round {i + 1:2d} {release:8} {case:5}: {r['fits']:.2f} fits, {r['verdict']}, "
+                        f"{r['rounds']} rounds, {r['overhead']:+.1%}, wait {r['wait'] or 0:.0%}",
                         flush=True,
                     )
     finally:
@@ -176,8 +192,12 @@ def main() -> int:
             workers.close()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"\n{cpus} CPUs, load average {load:.1f} at the end; max_overhead={THRESHOLD}, overhead_rounds={args.overhead_rounds}")
+    print(f"\n{cpus} CPUs, load average {load:.1f} at the end; max_overhead={THRESHOLD}, "
+          f"overhead_rounds={args.overhead_rounds}")
     print("\n".join(report(results)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     return 0
 
 

@@ -602,7 +602,7 @@ def _replayed_epochs(steps: list[tuple[str, int, int]]) -> list[tuple[str, int]]
     return epochs
 
 
-@pytest.mark.parametrize("accumulate, warmup", [(1, 8), (3, 9)])
+@pytest.mark.parametrize("accumulate, warmup", [(1, 4), (3, 6)])
 def test_the_replays_warm_up_epoch_ends_after_a_few_batches_and_the_rounds_are_whole_epochs(
     tmp_path: Any, accumulate: int, warmup: int
 ) -> None:
