@@ -247,11 +247,12 @@ def table(columns: dict[str, dict[str, list[float]]], names: list[str], defaults
     return lines
 
 
-def write_markdown(path: str, lines: list[str]) -> None:
-    block = "\n".join([MARK_START, *lines, MARK_END])
+def write_markdown(path: str, lines: list[str], start: str = MARK_START, end: str = MARK_END) -> None:
+    """``lines`` into the file at ``path`` between the markers ``start`` and ``end`` (appended if absent)."""
+    block = "\n".join([start, *lines, end])
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
-    if MARK_START in text and MARK_END in text:
-        text = re.sub(re.escape(MARK_START) + r".*?" + re.escape(MARK_END), lambda _: block, text, flags=re.S)
+    if start in text and end in text:
+        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:
         text = text + ("\n" if text else "") + block + "\n"
     with open(path, "w", encoding="utf-8") as f:
