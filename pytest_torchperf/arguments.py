@@ -188,9 +188,19 @@ _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*$")
 
 @dataclass(frozen=True)
 class Share(Number):
-    """A fraction greater than ``above`` (``0.10`` means 10%), or the same written as a percentage
-    (``"10%"``, ``"150%"``). A bare number above 1 is refused with "did you mean": ``max_overhead=50`` is far more
-    likely 50% than 5000%; an allowance above 100% is written as a percentage."""
+    """A fraction greater than ``above`` (``0.10`` means 10%, ``2.5`` means 250%), or the same written as a
+    percentage (``"10%"``, ``"250%"``), at most ``most`` in either form.
+
+    The rule for a bare number: up to ``bare_most`` it is a fraction, except a whole number above 1
+    (``max_overhead=50``, ``=5``), which reads as a percentage typed without its sign and is refused with
+    "did you mean" (``0.5`` or ``"50%"``): a 5 meant as 5% would otherwise pass what it should fail. A bare
+    number above ``bare_most`` is refused the same way. A percentage string is taken as written.
+    """
+
+    #: The largest bare number taken as a fraction (1.0: 100%).
+    bare_most: float = 1.0
+    #: The largest allowance in any form, as a fraction (100.0: 10000%).
+    most: float = 100.0
 
     def validate(self, value: Any, where: str, name: str, meaning: str) -> Any:
         if isinstance(value, str):
@@ -198,26 +208,33 @@ class Share(Number):
             if match is None:
                 raise self.error(where, name, value, meaning)
             value = float(match.group(1)) / 100
-            if value <= self.above:
-                raise UsageError(f"{where}: {name} must be {self._finite()}{self._unit()}, got {value * 100:g}%")
+            if value <= self.above or value > self.most:
+                raise UsageError(
+                    f"{where}: {name} must be {self._finite()} and at most {self.most:.0%}{self._unit()}, "
+                    f"got {value * 100:g}%"
+                )
             return value
         out = super().validate(value, where, name, meaning)
-        if out is not None and out > 1:
-            raise UsageError(
-                f"{where}: {name}={value!r} would allow {out * 100:g}% overhead; {percent_hint(name, out)} "
-                f"(an allowance above 100% is written as a percentage: {name}=\"{out * 100:g}%\")"
-            )
-        return out
+        if out is None or out <= 1 or (out <= self.bare_most and not out.is_integer()):
+            return out
+        meant = f"did you mean {name}={out / 100:g} or {name}=\"{out:g}%\"?"
+        if out <= self.most:  # say how to write that allowance if it was meant
+            meant += f" (for {out:.0%}, write {name}=\"{out * 100:g}%\")"
+        raise UsageError(
+            f"{where}: {name}={value!r} reads as a percentage typed without its % sign: {meant}; "
+            f"{name} is {self.describe()}"
+        )
 
     def describe(self, meaning: str = "") -> str:
         return (
-            f"a number > {self.above:g} and at most 1{self._unit()}, or a percentage such as '10%'"
+            f"a number > {self.above:g} and at most {self.bare_most:g}{self._unit()}, or a percentage such as '10%' "
+            f"(at most {self.most:.0%})"
             f"{_about(meaning)}" + (" or None" if self.optional else "")
         )
 
     def schema(self) -> dict[str, Any]:
         types = ["number", "string", "null"] if self.optional else ["number", "string"]
-        return {"type": types, "exclusiveMinimum": self.above, "pattern": r"^[0-9.]+%$"}
+        return {"type": types, "exclusiveMinimum": self.above, "maximum": self.bare_most, "pattern": r"^[0-9.]+%$"}
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from . import core
+from . import core, frames
 from .core import FLAGS
 from .patching import wraps
 
@@ -85,7 +85,7 @@ ARMED = _Armed()
 class AutoSteps:
     """One run's automatic steps (see the module's docstring)."""
 
-    __slots__ = ("open", "own", "mode", "backward_steps", "stepped", "disarmed_by")
+    __slots__ = ("open", "own", "mode", "backward_steps", "stepped", "disarmed_by", "marked_by")
 
     def __init__(self) -> None:
         #: Whether this object holds one level of the run's step depth now.
@@ -100,6 +100,8 @@ class AutoSteps:
         self.stepped: set[int] = set()
         #: Why automatic steps stopped ("marked steps"), if they did.
         self.disarmed_by = ""
+        #: Who marked the steps, for reports (``"marked by Lightning's training_step"``).
+        self.marked_by = ""
 
 
 def arm(run: Run) -> None:
@@ -145,10 +147,26 @@ def _unhook(armed: _Armed) -> None:
     handle.remove()
 
 
+def _marker() -> str:
+    """Who marks the steps now: a framework's call in flight, else ``run.step()``."""
+    from .frameworks import _calls, lightning
+
+    if lightning.current_call() is not None:
+        return "marked by Lightning's training_step"
+    call = _calls.current()
+    if call is not None:
+        owner = f"{call.framework}'" if call.framework.endswith("s") else f"{call.framework}'s"
+        return f"marked by {owner} {call.kind}"
+    return "marked with run.step()"
+
+
 def found(run: Run) -> str:
-    """How the run's steps were found: ``"found at optimizer.step()"``, ``"found at backward()"`` or ``""``."""
+    """How the run's steps were found: ``"found at optimizer.step()"``, ``"found at backward()"``, who marked
+    them (``"marked by Lightning's training_step"``, ``"marked with run.step()"``) or ``""``."""
     auto: Optional[AutoSteps] = getattr(run, "_auto", None)
-    if auto is None or auto.disarmed_by == _MARKED or auto.mode is None:
+    if auto is not None and auto.disarmed_by == _MARKED:
+        return auto.marked_by
+    if auto is None or auto.mode is None:
         return ""
     return AT_OPTIMIZER if auto.mode == "optimizer" else AT_BACKWARD
 
@@ -157,6 +175,9 @@ def _disarm(run: Run, auto: AutoSteps, why: str) -> None:
     if auto.disarmed_by:
         return
     auto.disarmed_by = why
+    if why == _MARKED:  # a backward pass or an optimizer step in a marked step: a library running now drives it
+        frames.note_drivers(sys._getframe(1))
+        auto.marked_by = _marker()
     ARMED.count -= 1
     if auto.mode != "optimizer":
         ARMED.backward -= 1
@@ -193,6 +214,8 @@ def _begin(run: Run, auto: AutoSteps) -> None:
     if auto.open:
         run.next_step()
     else:
+        if not auto.own:  # the run's first step: a library running now drives the loop
+            frames.note_drivers(sys._getframe(1))
         run.step_started()
         auto.open = True
     auto.own = run.steps
@@ -254,6 +277,7 @@ def install(patcher: Patcher) -> None:
 
 
 def _reset() -> None:
+    frames.DRIVERS.clear()
     ARMED.count = 0
     ARMED.backward = 0
     handle, ARMED.handle, ARMED.hook = ARMED.handle, None, None

@@ -48,10 +48,12 @@ class Events:
     name receives (checked when an invariant is registered) and whose docstring says when it is sent.
     """
 
-    def on_trainer_call(self, kind: Any, trainer: Any, model: Any) -> None:
-        """a Lightning Trainer.fit/validate/test/predict call begins"""
+    def on_framework_call(self, call: Any) -> None:
+        """a framework's training call begins (Lightning's Trainer.fit/validate/test/predict, the Hugging Face
+        Trainer.train, Ignite's Engine.run): a frameworks._calls.FrameworkCall (framework, kind, trainer, model,
+        package, args, kwargs)"""
 
-    def on_trainer_call_end(self, kind: Any, trainer: Any, model: Any) -> None:
+    def on_framework_call_end(self, call: Any) -> None:
         """that call returned or raised"""
 
     def on_step_start(self) -> None:
@@ -114,11 +116,12 @@ class Events:
     def on_graph_break(self, event: Any) -> None:
         """dynamo took a graph break while compiling (probe graph_breaks: a GraphBreak)"""
 
+    def on_compiled_code_run(self, codes: Any, breaks: Any) -> None:
+        """a compiled function was called in a step, the first time in the run: the code objects dynamo holds
+        compiled code for, and the GraphBreaks in it (probe graph_breaks)"""
+
     def on_run_end(self) -> None:
         """the run stops, its probes still installed (read probe state here, not in result())"""
-
-    def on_framework_call(self, call: Any) -> None:
-        """another framework's training call began (frameworks._calls.FrameworkCall)"""
 
     def on_batch_start(self) -> None:
         """a Lightning train batch begins (only for runs with `wants_batches`, see Run)"""
@@ -330,7 +333,7 @@ class Run:
 
     What probes and checks may read: :attr:`steps`, :attr:`batches`,
     :attr:`active`, :attr:`in_scope`, :attr:`in_step`, :attr:`scope`,
-    :attr:`unit`, :attr:`units` and :meth:`check`.
+    :attr:`unit`, :attr:`units`, :meth:`check` and :meth:`probe`.
     """
 
     def __init__(self, options: Any) -> None:
@@ -346,6 +349,8 @@ class Run:
         self.internal_errors: dict[str, str] = {}
         #: Invariant name -> the probes it needed (for "not checked" when one of them failed).
         self.probes_of: dict[str, tuple[str, ...]] = {}
+        #: Probe name -> the instance the engine installed for this run (set when it starts; :meth:`probe`).
+        self.probes: dict[str, Any] = {}
         self._scope: str = getattr(options, "scope", "training_step")
         self._step_depth = 0
         self._batch_depth = 0
@@ -406,6 +411,14 @@ class Run:
     @property
     def unit_name(self) -> str:
         return "batch" if self._scope == "batch" else "step"
+
+    def probe(self, name: str) -> Any:
+        """The probe ``name`` the engine installed for this run's invariants (a check asks its run for it)."""
+        try:
+            return self.probes[name]
+        except KeyError:
+            installed = sorted(self.probes)
+            raise KeyError(f"probe {name!r} was not installed for this run; its probes: {installed}") from None
 
     def check(self, name: str) -> Optional[Any]:
         """This run's check of invariant ``name``, or None when it does not check it."""

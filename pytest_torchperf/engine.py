@@ -34,7 +34,6 @@ from typing import Any, Callable, Optional, Protocol
 
 from . import autosteps, core, dynamo_frames, frameworks, registry, stacks
 from .core import Run
-from .frameworks import lightning
 from .patching import Patcher, lift_all, relay_all
 from .probes import relocate_warnings
 
@@ -65,6 +64,8 @@ class Engine:
         self.runs: list[Run] = core._ACTIVE
         #: Installed probes by name, in install order, each with its own patcher.
         self.installed: dict[str, Patcher] = {}
+        #: The probe instances this engine installed, by name (what ``run.probe(name)`` returns).
+        self.probes: dict[str, Any] = {}
         #: Probe name -> the names of the probes it needs (for taking out a failed probe's dependents).
         self.needs: dict[str, tuple[str, ...]] = {}
         #: The patcher of the Lightning observer, torch's caches and the extensions (while some run watches).
@@ -76,7 +77,6 @@ class Engine:
         #: Told about every run; :data:`BUILTIN_EXTENSIONS` are added when the first run starts.
         self.extensions: list[Any] = []
         self._builtin_loaded = False
-        core._probe_remover[:] = [self.remove_probe]
         _at_fork(self)
 
     # -- extensions ------------------------------------------------------------------------
@@ -96,12 +96,14 @@ class Engine:
     def start(self, run: Run) -> None:
         """Make ``run`` active, installing what it needs; on any failure undo all of it and re-raise."""
         self._load_builtin_extensions()
+        core._probe_remover[:] = [self.remove_probe]  # the failure path of the engine that watches
         with contextlib.ExitStack() as undo:
             if self.base is None:
                 undo.callback(self._undo_base, run)
                 self._install_base()
             # Resolve every probe before anything is patched for them: an unknown name is a UsageError here.
-            missing = [p for p in registry.probes_for(run.options.enabled_checks) if p.name not in self.installed]
+            needed = registry.probes_for(run.options.enabled_checks)
+            missing = [p for p in needed if p.name not in self.installed]
             run.enlist()  # a probe failing while it is installed is recorded on this run
             undo.callback(self._leave, run)
             if missing and not self.installed:
@@ -109,6 +111,7 @@ class Engine:
             for probe in missing:
                 undo.callback(self._uninstall, probe.name, run)
                 self._install_probe(probe, run)
+            run.probes = {p.name: self.probes.get(p.name, p) for p in needed}
             run.checks = registry.make_checks(run)  # after the probes: a check may ask its probe for something
             # After the probes: the automatic steps' backward wrapper is the outermost, so a pass opens its step first.
             if self.autosteps is None:
@@ -136,6 +139,7 @@ class Engine:
         errors: list[BaseException] = []
         for name in reversed(list(self.installed)):
             errors.extend(self.installed.pop(name).undo())
+        self.probes.clear()
         while self.removed:
             errors.extend(self.removed.pop().undo())
         self.needs.clear()
@@ -167,7 +171,6 @@ class Engine:
         base = self.base = Patcher()
         _keep_torch_caches(base)
         relocate_warnings(base)
-        lightning.install(base)
         frameworks.install(base)
         for extension in self.extensions:
             extension.install(base)
@@ -197,10 +200,12 @@ class Engine:
             patcher.undo()
             raise
         self.installed[probe.name] = patcher
+        self.probes[probe.name] = probe
         self.needs[probe.name] = tuple(probe.needs)
 
     def _uninstall(self, name: str, run: Run) -> None:
         patcher = self.installed.pop(name, None)
+        self.probes.pop(name, None)
         self.needs.pop(name, None)
         if patcher is not None:
             for exc in patcher.undo():
@@ -226,7 +231,7 @@ class Engine:
             if other in doomed:
                 # Attributes go back now; hooks torch may be iterating at this very moment stay
                 # registered, disabled, until the last run stops.
-                registry.probe(other).disabled = True
+                self.probes[other].disabled = True
                 patcher = self.installed.pop(other)
                 patcher.undo(keep_deferred=True)
                 self.removed.append(patcher)
@@ -253,6 +258,11 @@ class Engine:
                 hook()
             except Exception as exc:  # noqa: BLE001 - never into the child's code
                 core.probe_failed(name, exc)
+
+    def probe(self, name: str) -> Any:
+        """The probe instance named ``name`` this engine installed (else the registry's, not installed)."""
+        found = self.probes.get(name)
+        return found if found is not None else registry.probe(name)
 
     def installed_probes(self) -> tuple[str, ...]:
         """The probes installed now, in install order."""

@@ -12,7 +12,7 @@ from types import CodeType, FrameType
 from typing import Any, Optional
 
 from . import stacks
-from .stacks import LAUNCHER, PYTEST, STDLIB, TORCH, TORCHPERF, Frame, Stack
+from .stacks import LAUNCHER, LIBRARY, PYTEST, STDLIB, TORCH, TORCHPERF, USER, Frame, Stack
 
 __all__ = ["Located", "StackCache", "caller", "describe_frame", "kind_of", "locate", "owner_label", "stack_of"]
 
@@ -43,8 +43,11 @@ class Located:
     #: The kind of the innermost frame outside the standard library, pytest and torchperf:
     #: ``torch`` when torch's own Python code made the call on the site's behalf.
     caller_kind: str
-    #: The torch function the site called into, when the event happened inside it.
+    #: The torch function the site called into, when the event happened inside it (or the library's
+    #: function, with :attr:`library`).
     via: Optional[str]
+    #: The event happened in a library the user's line (the site) called: a metric's ``update``.
+    library: bool = False
 
     @property
     def key(self) -> Optional[tuple[CodeType, int]]:
@@ -70,8 +73,52 @@ def locate(frame: Optional[FrameType]) -> Located:
                     via = name  # keeps the outermost: the torch function the site called
             f = f.f_back
             continue
+        if kind == LIBRARY:
+            called = _called_by_user(f)
+            if called is not None:
+                user, entry = called
+                return Located(user, USER, caller_kind or kind, entry, True)
         return Located(f, kind, caller_kind or kind, via if caller_kind == TORCH else None)
     return Located(None, TORCH, caller_kind or TORCH, via)
+
+
+#: Library functions that were running when a run's first automatic step began: they drive the training loop
+#: (a library's ``Trainer.run()``), and their own events stay theirs. Set by :mod:`.autosteps`.
+DRIVERS: set[CodeType] = set()
+
+
+def note_drivers(frame: Optional[FrameType]) -> None:
+    """Remember the library functions on the stack at ``frame`` (a training step begins there)."""
+    f = frame
+    while f is not None:
+        if kind_of(f.f_code) == LIBRARY:
+            DRIVERS.add(f.f_code)
+        f = f.f_back
+
+
+def _called_by_user(frame: FrameType) -> Optional[tuple[FrameType, str]]:
+    """``(the user's frame, the library function it called)`` when the library code at ``frame`` was called by
+    the user's own code (a metric's ``update`` called from the user's step): the user's calling line is where
+    that is fixed. None when a training framework called it (the framework's own work stays the framework's)."""
+    if frame.f_code in DRIVERS:
+        return None
+    entry = frame
+    f = frame.f_back
+    while f is not None:
+        kind = kind_of(f.f_code)
+        if kind == USER:
+            label = getattr(entry.f_code, "co_qualname", entry.f_code.co_name)
+            package = str(entry.f_globals.get("__name__", "")).split(".")[0]
+            return f, f"{package}'s {label}" if package else label
+        if kind in (LIBRARY, TORCH) or kind in _SKIP_FOR_CALLER:
+            if kind == LIBRARY:
+                if f.f_code in DRIVERS:
+                    return None  # the library that drives the loop
+                entry = f
+            f = f.f_back
+            continue
+        return None  # a training framework called it
+    return None
 
 
 def caller(frame: Optional[FrameType]) -> Optional[FrameType]:

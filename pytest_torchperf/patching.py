@@ -342,26 +342,38 @@ class Patcher:
 
     def wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> Patch:
         """Replace ``owner.name`` by ``make(original)`` (inside :meth:`reusing`: the wrapper kept from the last
-        time, when ``owner.name`` is still the very object it wrapped)."""
+        time, when ``owner.name`` is still the very object it wrapped).
+
+        A module's function is replaced by a :class:`~pytest_torchperf._transparent.Transparent` holding the
+        wrapper: it compares equal to the function and hashes alike (``op == torch.lt`` keeps its answer).
+        """
         original = getattr(owner, name)
+        transparent = isinstance(owner, ModuleType) and not isinstance(original, type)
         scope = self._reuse
         if scope is None:
-            return self.setattr(owner, name, self._made(make, original))
+            return self.setattr(owner, name, self._made(make, original, transparent))
         key = (scope, id(owner), name)
         kept = _KEPT.get(key)
         if kept is not None and kept[0] is owner and kept[1] is original:
             wrapper = kept[2]
         else:
-            wrapper = self._made(make, original)
+            wrapper = self._made(make, original, transparent)
             _KEPT[key] = (owner, original, wrapper)
         return self.setattr(owner, name, wrapper)
 
-    def _made(self, make: Callable[[Any], Any], original: Any) -> Any:
+    def _made(self, make: Callable[[Any], Any], original: Any, transparent: bool = False) -> Any:
         """``make(original)``; for a probe's patcher, built around the tracked original and contained
-        (:func:`._guard.contain`)."""
+        (:func:`._guard.contain`); where ``transparent``, held so that it compares equal to and hashes like
+        ``original`` (:class:`._transparent.Transparent`: a function set on a module)."""
         if self.contain is None or not callable(original):
-            return make(original)
-        return _guard.contain(make, original, self.contain)
+            wrapper = make(original)
+        else:
+            wrapper = _guard.contain(make, original, self.contain)
+        if transparent and callable(wrapper):
+            from ._transparent import Transparent
+
+            wrapper = Transparent(wrapper, original)
+        return wrapper
 
     @contextlib.contextmanager
     def reusing(self, scope: Hashable) -> Iterator[None]:

@@ -46,6 +46,8 @@ LIBRARY = "library"
 USER = "user"
 
 #: Packages whose frames are a training framework's own code, not the user's: every adapter's ``PACKAGES``.
+#: (torchmetrics is a library the user calls from their own step: its syncs there are judged at the user's
+#: calling line, so no adapter claims it.)
 FRAMEWORK_PACKAGES: tuple[str, ...] = _ADAPTED
 _PYTEST_PACKAGES = ("_pytest", "pytest", "pluggy", "xdist", "execnet")
 _TORCH_PACKAGES = ("torch", "functorch")

@@ -240,7 +240,7 @@ def test_a_ragged_last_batch_recompiles_a_lightning_fit_and_drop_last_passes(use
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*torchperf: 1 invariant broken: no_recompiles (1 recompile after warm-up)",
+            "*torchperf: 1 invariant broken: no_recompiles (1 recompile after warm-up)*",
             "*was compiled again 1 time after warm-up",
             "  recompiled in: epoch 0 (train)",
             "  a smaller batch: 3 rows where the compiled code expected 8 (the ragged last batch of an epoch*",
@@ -309,3 +309,74 @@ def test_every_module_of_the_package_imported_by_a_run_is_marked_for_dynamo() ->
         pass
     imported = {name for name in sys.modules if name.split(".")[0] == "pytest_torchperf"}
     assert imported <= dynamo_frames._DONE
+
+
+class _Printing(torch.nn.Module):
+    """A forward with a ``print``: dynamo breaks the graph there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        print("forward")  # the break
+        return out
+
+
+def _bare_loop(model: torch.nn.Module, compiled: Callable[..., torch.Tensor]) -> Callable[[Any], None]:
+    """A plain loop with no marked steps: steps are found at ``optimizer.step()``."""
+
+    def body(run: Any) -> None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = torch.randn(8, 8), torch.randn(8, 1)
+        for _ in range(3):
+            torch.nn.functional.mse_loss(compiled(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    return body
+
+
+def test_compile_then_a_bare_loop_fails_at_the_break_the_first_call_compiled_before_the_first_step() -> None:
+    model = _Printing()
+    result = report_of(_bare_loop(model, torch.compile(model, backend="eager"))).checks["no_graph_breaks"]
+    assert result.status == FAILED, result.summary
+    (finding,) = result.findings
+    assert finding.sites[0].frame.source == 'print("forward")  # the break'
+    assert "Failed to trace builtin operator" in finding.title
+    assert any("before step 1" in fact and "run in step 1" in fact for fact in finding.facts), finding.facts
+    assert result.figures["graph_breaks_outside_steps"] == 0
+
+
+def test_a_break_compiled_by_an_earlier_run_fails_a_run_that_reuses_the_compiled_code() -> None:
+    first = _Printing()
+    report_of(_bare_loop(first, torch.compile(first, backend="eager")))
+    second = _Printing()  # a fresh instance of the same class: dynamo reuses the first one's compiled code
+    result = report_of(_bare_loop(second, torch.compile(second, backend="eager"))).checks["no_graph_breaks"]
+    assert result.status == FAILED, result.summary
+    assert result.figures["compiles"] == 0 and result.figures["compiled_functions_reused"] == 1
+    (finding,) = result.findings
+    assert "Failed to trace builtin operator" in finding.title
+    assert any("before this test was watched" in fact for fact in finding.facts), finding.facts
+
+
+def test_a_break_compiled_while_nothing_watched_fails_with_the_line_and_dynamos_recorded_reason() -> None:
+    first = _Printing()
+    compiled = torch.compile(first, backend="eager")
+    compiled(torch.randn(8, 8))  # compiled unwatched: torchperf saw nothing of it
+    second = _Printing()
+    result = report_of(_bare_loop(second, torch.compile(second, backend="eager"))).checks["no_graph_breaks"]
+    assert result.status == FAILED, result.summary
+    (finding,) = result.findings
+    assert finding.sites[0].frame.source == 'print("forward")  # the break'
+    assert "Failed to trace builtin operator" in finding.title  # from dynamo's compilation records
+
+
+def test_clean_compiled_code_reused_from_an_earlier_run_passes() -> None:
+    model = torch.nn.Linear(8, 1)
+    compiled = torch.compile(model, backend="eager")
+    compiled(torch.randn(8, 8))
+    result = report_of(_bare_loop(model, compiled)).checks["no_graph_breaks"]
+    assert result.status == PASSED, result.summary
+    assert result.summary.startswith("compiled code reused from before the watch")

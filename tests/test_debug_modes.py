@@ -152,3 +152,29 @@ def test_anomaly_detection_turned_on_mid_loop_is_counted_from_the_next_automatic
     check = report["no_debug_modes"]
     assert check.status == FAILED
     assert check.findings[0].title == "anomaly detection was on in 3 of 6 training steps"
+
+
+def test_a_watch_that_saw_no_step_is_not_checked_even_with_anomaly_detection_on() -> None:
+    from pytest_torchperf.report import NOT_CHECKED
+
+    def body(run: Any) -> None:
+        torch.autograd.set_detect_anomaly(True)
+        torch.nn.Linear(8, 1)(torch.randn(4, 8)).sum()
+
+    result = report_of(body, no_debug_modes=True).checks["no_debug_modes"]
+    assert result.status == NOT_CHECKED, result.summary
+    assert result.summary == "no training step was seen: no step to find a debug mode on in"
+
+
+def test_step_based_invariants_that_judged_zero_steps_are_not_checked() -> None:
+    def body(run: Any) -> None:
+        torch.nn.Linear(8, 1)(torch.randn(4, 8)).sum()
+
+    report = report_of(
+        body, no_debug_modes=True, grads_set_to_none=True, no_host_sync=True, on_device=True,
+        max_ops_per_step=100, no_graph_retention=True,
+    )
+    statuses = {name: report.checks[name].status for name in (
+        "no_debug_modes", "grads_set_to_none", "no_host_sync", "on_device", "max_ops_per_step", "no_graph_retention"
+    )}
+    assert set(statuses.values()) == {"not checked"}, statuses

@@ -280,3 +280,31 @@ def test_marked_steps_nested_inside_a_batch_or_alone_keep_the_scope_and_the_coun
             with inner.step():
                 pass
     assert (outer.steps, inner.steps) == (1, 1)
+
+
+def test_a_fresh_engine_watches_a_loop_with_the_probe_instances_it_installed_and_undoes_them() -> None:
+    from pytest_torchperf.core import Run
+    from pytest_torchperf.engine import Engine
+    from pytest_torchperf.options import Options
+
+    engine = Engine()
+    run = Run(Options(no_host_sync=True))
+    original_item = torch.Tensor.item
+    engine.start(run)
+    try:
+        assert run.probe("syncs") is engine.probe("syncs") is engine.probes["syncs"]
+        assert "syncs" in engine.installed_probes()
+        x = torch.ones(3)
+        for _ in range(3):
+            with run.step():
+                (x * 2).sum().item()
+    finally:
+        engine.stop(run)
+    engine.finish(run)
+    assert run.report is not None
+    assert run.report.steps == 3
+    assert run.report.checks["no_host_sync"].status == "passed"  # a CPU tensor's .item() waits on no device
+    assert engine.installed_probes() == () and engine.probes == {}
+    assert torch.Tensor.item is original_item
+    with pytest.raises(KeyError, match="'graphs' was not installed"):
+        run.probe("graphs")

@@ -218,7 +218,8 @@ def test_ignite_and_accelerate_loops(pytester: pytest.Pytester) -> None:
     tests = _results(pytester.path / "out.json")
     noted = tests["test_ignite_default_output_transform_is_a_note"]
     assert noted["outcome"] == "passed"
-    assert noted["run"]["steps"] == 16 and noted["run"]["steps_found"] == ""  # the process function is the step
+    # The process function is the step, and the report says so.
+    assert noted["run"]["steps"] == 16 and noted["run"]["steps_found"] == "marked by ignite's Engine.run"
     findings = _findings(noted["checks"]["no_host_sync"])
     ignite = [f for f in findings if any("ignite/engine/__init__.py" in (s["site"] or "") for s in f["sites"])]
     assert ignite and ignite[0]["title"].startswith("note: ") and "output_transform=" in ignite[0]["hint"]
@@ -406,7 +407,33 @@ def test_accelerate_ranks_from_its_launcher_are_watched(pytester: pytest.Pyteste
 def test_the_attribution_package_list_is_every_adapters_own_and_nothing_else() -> None:
     from pytest_torchperf import frameworks, stacks
 
-    adapters = ("lightning", *frameworks.ADAPTERS)
-    declared = [name for adapter in adapters for name in frameworks.adapter(adapter).PACKAGES]
+    declared = [name for adapter in frameworks.ADAPTERS for name in frameworks.adapter(adapter).PACKAGES]
     assert frameworks.PACKAGES == tuple(declared)
     assert stacks.FRAMEWORK_PACKAGES == frameworks.PACKAGES
+
+
+def test_every_adapter_declares_the_protocol_and_lightning_alone_provides_replay_and_launchers() -> None:
+    from pytest_torchperf import frameworks
+
+    for name in frameworks.ADAPTERS:
+        module = frameworks.adapter(name)
+        assert module.NAME == name
+        for member in ("PACKAGES", "install", "hint", "stage", "replay", "launchers"):
+            assert hasattr(module, member), f"adapter {name} lacks {member}"
+    providers = {n for n in frameworks.ADAPTERS if frameworks.adapter(n).replay is not None}
+    assert providers == {"lightning"}
+    assert {n for n in frameworks.ADAPTERS if frameworks.launchers(n) is not None} == {"lightning"}
+
+
+def test_no_module_outside_the_adapters_imports_the_lightning_adapter() -> None:
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "pytest_torchperf"
+    importing = [
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if path.parent.name != "frameworks"
+        and re.search(r"frameworks(\.| import )lightning\b", path.read_text(encoding="utf-8"))
+    ]
+    assert importing == []

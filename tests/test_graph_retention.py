@@ -7,6 +7,7 @@ known), and once through pytester under the marker.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import time
@@ -827,3 +828,68 @@ def test_a_module_output_callback_preempted_for_a_while_does_not_stop_the_sampli
     finally:
         unregister("preempted_walks")
     assert waited and samples >= 3
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_the_forward_hook_is_invisible_to_torch_compile_same_graphs_no_warning() -> None:
+    """The retention check's global forward hook is out of torch's hooks while dynamo compiles."""
+    import warnings
+
+    import torch._dynamo
+
+    from pytest_torchperf import InvariantViolation, watch
+
+    def fit(backend: Any, run: Any = None) -> None:
+        model = _TwoLayers()
+        compiled = torch.compile(model, backend=backend)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(4):
+            with run.step() if run is not None else contextlib.nullcontext():
+                torch.nn.functional.mse_loss(compiled(torch.randn(8, 8)), torch.randn(8, 1)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+    def counting() -> tuple[list[int], Any]:
+        graphs: list[int] = []
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            graphs.append(len(gm.graph.nodes))
+            return gm.forward
+
+        return graphs, backend
+
+    torch._dynamo.reset()
+    unwatched, backend = counting()
+    fit(backend)
+    torch._dynamo.reset()
+    watched, backend = counting()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                with watch(no_graph_retention=True, no_recompiles=True, grads_set_to_none=True) as run:
+                    fit(backend, run)
+                report = run.report
+            except InvariantViolation as exc:
+                report = exc.report
+    finally:
+        torch._dynamo.reset()
+    assert watched == unwatched and len(unwatched) == 1
+    assert report is not None
+    assert report.checks["no_graph_breaks"].status == "passed", [
+        f.title for f in report.checks["no_graph_breaks"].findings
+    ]
+    assert report.checks["no_recompiles"].figures["compiles"] == 1
+    assert report.checks["no_graph_retention"].status == "passed", report.checks["no_graph_retention"].summary
+    from torch.nn.modules.module import _global_forward_hooks
+
+    assert not _global_forward_hooks

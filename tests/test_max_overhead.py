@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from pytest_torchperf import InvariantViolation, NotMirrored, ParityResult, UsageError, parity, vanilla_fit, watch  # noqa: E402
 from pytest_torchperf.glue.results import merge_checks  # noqa: E402
 from pytest_torchperf.options import Options, parse_options  # noqa: E402
+from pytest_torchperf.overhead.replay import LIGHTNING_WARMUP_BATCHES  # noqa: E402
 from pytest_torchperf.report import Inconclusive, InconclusiveWarning  # noqa: E402
 from pytest_torchperf.timing import (  # noqa: E402
     LOCK_ENV,
@@ -627,7 +628,7 @@ def _replayed_epochs(steps: list[tuple[str, int, int]]) -> list[tuple[str, int]]
     return epochs
 
 
-@pytest.mark.parametrize("accumulate, warmup", [(1, 8), (3, 9)])
+@pytest.mark.parametrize("accumulate, warmup", [(1, 4), (3, 6)])
 def test_the_replays_warm_up_epoch_ends_after_a_few_batches_and_the_rounds_are_whole_epochs(
     tmp_path: Any, accumulate: int, warmup: int
 ) -> None:
@@ -650,6 +651,20 @@ def test_the_replays_warm_up_epoch_ends_after_a_few_batches_and_the_rounds_are_w
     # of the hook is gone from the second epoch on.
     assert [wrapped for epoch, wrapped in Recorded.starts if epoch == 0] == [True] * (warmup + 1)
     assert {wrapped for epoch, wrapped in Recorded.starts if epoch > 0} == {False}
+
+
+class BatchEndHook(Tiny):
+    def on_train_batch_end(self, *args: Any) -> None:
+        pass  # a hook the vanilla loop has no counterpart of: the profile counts its calls
+
+
+def test_the_warm_ups_profile_leaves_out_its_first_batch_with_the_new_trainers_one_time_costs(tmp_path: Any) -> None:
+    with watch(max_overhead="10000%", **ONLY_OVERHEAD) as run:
+        tiny_trainer(tmp_path).fit(BatchEndHook(), tiny_loader(n=8 * 21))
+    fit = run.report["max_overhead"].figures["fits"][0]
+    hooks = {h["name"]: h for h in fit["hooks"]}
+    hook = next(h for name, h in hooks.items() if name.endswith("on_train_batch_end"))
+    assert hook["calls"] == LIGHTNING_WARMUP_BATCHES - 1, hooks  # batches 2..4 of the warm-up
 
 
 def test_a_warm_up_epoch_of_unknown_length_is_whole(tmp_path: Any) -> None:

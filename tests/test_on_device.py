@@ -487,3 +487,49 @@ def test_cuda_real_copies_of_tensors_not_from_the_loader_are_reported() -> None:
     assert event["real_copy"] is True
     assert event["moved_source"].startswith("rows = table[:4].to")
     del pinned, rows
+
+
+HELPER_LOOP = """
+import torch
+
+
+def class_weights():
+    return torch.Tensor([1, 2, 3])
+
+
+def train(watch, model, batches, **options):
+    dev = torch.device("cpu")
+    with watch(**options) as run:
+        for x, y in batches:
+            with run.step():
+                out = model(x)
+                {line}  # HERE
+    return run
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "line", "factory"),
+    [
+        ("indexed", "w = torch.arange(10).float()[torch.tensor([1, 3, 5])].to(dev)", "torch.arange"),
+        ("helper", "w = class_weights().to(dev)", "torch.Tensor"),
+    ],
+)
+def test_a_host_value_reached_through_indexing_or_a_helper_and_moved_every_step_fails(
+    tmp_path: Path, name: str, line: str, factory: str
+) -> None:
+    module, lineno = write_module(tmp_path, f"reached_{name}", HELPER_LOOP.format(line=line))
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(3))
+    check = report["on_device"]
+    assert check.status == "failed", check.summary
+    (event,) = events(report)
+    assert event["moved_at"].endswith(f"reached_{name}.py:{lineno}")
+    assert event["factory"] == factory
+    assert event["frequency"] == "1 per step over 3 steps"
+
+
+def test_a_device_factory_indexed_and_moved_passes(tmp_path: Path) -> None:
+    line = "w = torch.arange(10, device=dev).float()[out.argmax(0)].to(dev)"
+    module, _ = write_module(tmp_path, "reached_device", HELPER_LOOP.format(line=line))
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(3))
+    assert report["on_device"].status == "passed", report["on_device"].summary

@@ -314,12 +314,35 @@ def test_the_holder_that_grew_every_step_is_named_first(pytester: pytest.Pyteste
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(0.5, 0.5), ("50%", 0.5), ("150%", 1.5), (1.0, 1.0)],
+    [(0.5, 0.5), ("50%", 0.5), ("150%", 1.5), (1.0, 1.0), (1, 1.0), (2.5, 2.5), ("250%", 2.5), (10.0 - 0.5, 9.5),
+     ("10000%", 100.0), ("12.5%", 0.125)],
 )
 def test_max_overhead_is_a_fraction_or_a_percentage_written_out(value: object, expected: float) -> None:
     from pytest_torchperf import parse_options
 
     assert parse_options({"max_overhead": value}).max_overhead == expected
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (5, 'max_overhead=5 reads as a percentage typed without its % sign: did you mean max_overhead=0.05 or '
+            'max_overhead="5%"? (for 500%, write max_overhead="500%")'),
+        (3.0, 'did you mean max_overhead=0.03 or max_overhead="3%"? (for 300%, write max_overhead="300%")'),
+        (50, 'did you mean max_overhead=0.5 or max_overhead="50%"? (for 5000%, write max_overhead="5000%"); '
+             'max_overhead is a number > 0 and at most 10'),
+        (12.5, 'did you mean max_overhead=0.125 or max_overhead="12.5%"?'),
+        ("20000%", "max_overhead must be a finite number > 0 and at most 10000%"),
+    ],
+)
+def test_a_whole_number_or_a_number_above_ten_is_refused_as_a_percentage_without_its_sign(
+    value: object, message: str
+) -> None:
+    from pytest_torchperf import UsageError, parse_options
+
+    with pytest.raises(UsageError) as excinfo:
+        parse_options({"max_overhead": value}, where="@pytest.mark.torchperf")
+    assert message in str(excinfo.value)
 
 
 def test_a_percentage_given_as_a_fraction_is_refused_with_did_you_mean(pytester: pytest.Pytester) -> None:
@@ -334,13 +357,18 @@ def test_a_percentage_given_as_a_fraction_is_refused_with_did_you_mean(pytester:
         @pytest.mark.torchperf(max_copy_rate=20)
         def test_rate():
             pass
+
+        @pytest.mark.torchperf(max_overhead=2.5)
+        def test_allowance_above_100_percent_is_taken():
+            pass  # no fit: the check runs (and says so), the marker is not an error
         """
     )
     result = pytester.runpytest("-p", "no:warnings")
-    result.assert_outcomes(errors=2)
+    result.assert_outcomes(errors=2, failed=1)
+    result.stdout.fnmatch_lines(["*max_overhead*no Trainer.fit to compare*"])
     result.stdout.fnmatch_lines([
-        "*max_overhead=50 would allow 5000% overhead; a fraction, not a percentage: did you mean max_overhead=0.50 "
-        "(50%)? (an allowance above 100% is written as a percentage: max_overhead=\"5000%\")*",
+        "*max_overhead=50 reads as a percentage typed without its % sign: did you mean max_overhead=0.5 or "
+        "max_overhead=\"50%\"?*",
         "*max_copy_rate must be a number from 0 to 1*got 20 (int): a fraction, not a percentage: did you mean "
         "max_copy_rate=0.20 (20%)?*",
     ])

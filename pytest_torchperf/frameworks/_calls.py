@@ -1,12 +1,14 @@
 """What the adapters share: one observed training call, and its steps.
 
+:class:`FrameworkCall` is what the checks receive with ``on_framework_call`` /
+``on_framework_call_end``, for every framework alike (Lightning's
+``Trainer.fit``, the Hugging Face ``Trainer.train``, Ignite's ``Engine.run``).
 :class:`Observed` is the ``with`` block an adapter's wrapper of a training call
-(``Trainer.train``, ``Engine.run``) runs the original in: the active runs get
-``on_framework_call`` with the :class:`FrameworkCall`, steps the adapter marks
-with :meth:`Observed.begin_step` / :meth:`Observed.end_step` count in every
-run, and what is still open when the call returns (or raises) is closed. Calls
-nest (an evaluator's ``Engine.run`` inside a trainer's): only the outermost
-call of a framework marks steps.
+runs the original in: the call is current (:func:`current`) and the active runs
+get its events; steps the adapter marks with :meth:`Observed.begin_step` /
+:meth:`Observed.end_step` count in every run, and what is still open when the
+call returns (or raises) is closed. Calls nest (an evaluator's ``Engine.run``
+inside a trainer's): only the outermost call of a framework marks steps.
 """
 
 from __future__ import annotations
@@ -22,11 +24,18 @@ __all__ = ["FrameworkCall", "Observed", "current", "in_call"]
 
 @dataclass
 class FrameworkCall:
-    """One observed training call of a framework other than Lightning."""
+    """One observed training call of a framework: what the checks' ``on_framework_call(call)`` receives."""
 
-    framework: str  # "transformers", "ignite"
-    kind: str  # "Trainer.train", "Engine.run"
-    owner: Any  # the Trainer or Engine
+    framework: str  # the adapter's NAME: "lightning", "transformers", "ignite"
+    kind: str  # "fit", "validate"... (Lightning), "Trainer.train", "Engine.run"
+    trainer: Any  # the Trainer or Engine whose method was called
+    #: The model the call trains, when the framework names it (Lightning's ``fit(model)``), else None.
+    model: Any = None
+    #: The import package the call came from ("pytorch_lightning" or "lightning.pytorch", "transformers").
+    package: str = ""
+    #: The call's own arguments (after the trainer), for checks that replay it.
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
     #: Steps the call marked.
     steps: int = 0
     #: Patches made for the length of the call (undone when it returns).
@@ -45,19 +54,20 @@ def current(framework: Optional[str] = None) -> Optional[FrameworkCall]:
     return None
 
 
-def in_call(owner: Any) -> bool:
-    """``owner`` is inside one of its own observed calls (a call re-entering itself passes through)."""
-    return any(call.owner is owner for call in _CALLS)
+def in_call(trainer: Any) -> bool:
+    """``trainer`` is inside one of its own observed calls (a call re-entering itself passes through)."""
+    return any(call.trainer is trainer for call in _CALLS)
 
 
 class Observed:
-    """Observe one training call for the active runs (a plain class: a user's exception passes through)."""
+    """Observe one training call for ``runs`` (default: the active runs); a plain class: a user's exception
+    passes through."""
 
-    def __init__(self, framework: str, kind: str, owner: Any) -> None:
-        self.call = FrameworkCall(framework, kind, owner)
-        self.runs = list(core.active_runs())
+    def __init__(self, call: FrameworkCall, runs: Optional[list[Any]] = None) -> None:
+        self.call = call
+        self.runs = list(core.active_runs()) if runs is None else runs
         #: Whether this call marks steps: the outermost call of its framework.
-        self.marks_steps = current(framework) is None
+        self.marks_steps = current(call.framework) is None
         self._open = False
 
     def __enter__(self) -> Observed:
@@ -90,6 +100,10 @@ class Observed:
         try:
             self.end_step()
         finally:
-            self.call.patcher.undo()
-            if self.call in _CALLS:
-                _CALLS.remove(self.call)
+            try:
+                self.call.patcher.undo()
+            finally:
+                if self.call in _CALLS:
+                    _CALLS.remove(self.call)
+                for run in self.runs:
+                    run.notify("on_framework_call_end", self.call)

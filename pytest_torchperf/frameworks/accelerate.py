@@ -21,10 +21,14 @@ from typing import Any
 
 from ..patching import Patcher
 
-__all__ = ["NAME", "PACKAGES", "hint", "install"]
+__all__ = ["NAME", "PACKAGES", "hint", "install", "launchers", "replay", "stage"]
 
 NAME = "accelerate"
 PACKAGES = ("accelerate",)
+#: Capabilities this framework does not provide (see :class:`pytest_torchperf.frameworks.Adapter`).
+stage = None
+replay = None
+launchers = None
 
 
 def hint(frame: Any, op: str) -> str:

@@ -1,6 +1,6 @@
 """Adapter for PyTorch Ignite (see :mod:`pytest_torchperf.frameworks`).
 
-Observed: ``Engine.run`` inside a watched run (``on_framework_call``), and its
+Observed: ``Engine.run`` inside a watched run (``on_framework_call`` / ``on_framework_call_end``), and its
 steps: the engine's process function (``create_supervised_trainer``'s update,
 or the user's ``train_step(engine, batch)``) is the step, from the end of the
 ``ITERATION_STARTED`` handlers to the start of the ``ITERATION_COMPLETED`` ones
@@ -24,10 +24,14 @@ from .. import core
 from ..patching import Patcher, wraps
 from . import _calls
 
-__all__ = ["NAME", "PACKAGES", "hint", "install"]
+__all__ = ["NAME", "PACKAGES", "hint", "install", "launchers", "replay", "stage"]
 
 NAME = "ignite"
 PACKAGES = ("ignite",)
+#: Capabilities this framework does not provide (see :class:`pytest_torchperf.frameworks.Adapter`).
+stage = None
+replay = None
+launchers = None
 
 _ENGINE_MODULE = "ignite.engine.engine"
 _OUTPUT = (
@@ -45,7 +49,7 @@ def hint(frame: Any, op: str) -> str:
 
 def _wrap_fire(original: Callable[..., Any], observed: _calls.Observed, events: Any) -> Callable[..., Any]:
     started, completed = events.ITERATION_STARTED, events.ITERATION_COMPLETED
-    owner = observed.call.owner
+    owner = observed.call.trainer
 
     @wraps(original)
     def _fire_event(self: Any, event_name: Any, *args: Any, **kwargs: Any) -> Any:
@@ -66,7 +70,8 @@ def _wrap_run(original: Callable[..., Any], module: Any) -> Callable[..., Any]:
         __tracebackhide__ = True
         if not core.active_runs() or _calls.in_call(self):
             return original(self, *args, **kwargs)
-        with _calls.Observed(NAME, "Engine.run", self) as observed:
+        call = _calls.FrameworkCall(NAME, "Engine.run", self, package="ignite", args=args, kwargs=dict(kwargs))
+        with _calls.Observed(call) as observed:
             if observed.marks_steps:
                 try:
                     cls = module.Engine

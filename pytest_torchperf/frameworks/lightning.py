@@ -1,10 +1,14 @@
-"""Observing Lightning: every ``Trainer.fit/validate/test/predict`` inside a watched run.
+"""Adapter for Lightning (see :mod:`pytest_torchperf.frameworks`): every ``Trainer.fit/validate/test/predict``
+inside a watched run.
 
 Supports ``pytorch_lightning`` (1.5 to 2.x) and ``lightning.pytorch``. Neither is
 imported here: a Trainer class already imported is patched at once, one
 imported later during the run is patched as soon as its module is loaded.
-Every run needs this observer: it is installed with the first probe and sends
-``on_trainer_call`` / ``on_trainer_call_end`` to the checks.
+Installed with every run, like every adapter; the checks get
+``on_framework_call`` / ``on_framework_call_end`` with a
+:class:`~pytest_torchperf.frameworks._calls.FrameworkCall` (``framework``
+``"lightning"``, ``kind`` ``"fit"``..., ``trainer``, ``model``, ``package``,
+``args`` / ``kwargs``).
 
 For a fit, the module's ``training_step`` is the step: it is wrapped on the
 module's *class* for the length of the call (never on the instance, so the
@@ -17,10 +21,11 @@ for the call (``trainer.call`` in 2.x, the Trainer's methods in 1.x), so
 nothing is added to ``trainer.callbacks``. All of it is undone when the call
 returns.
 
-For checks that replay a fit (``max_overhead``): the arguments of the call in
-flight (:func:`current_call`) and of the ``Trainer(...)`` that made it, when it
-was built while a run watched (:func:`trainer_init_args`); Lightning calls made
-by torchperf itself run :func:`unobserved`.
+Its capabilities: :data:`stage` (the epoch and stage a pass or a recompile
+happens in), :data:`replay` (``max_overhead`` rebuilds a fit from the
+``Trainer(...)`` arguments, when it was built while a run watched, and runs its
+own fits unobserved) and :data:`launchers` (a ``ddp_spawn`` rank re-runs the
+call its parent began).
 """
 
 from __future__ import annotations
@@ -31,28 +36,31 @@ import inspect
 import sys
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .. import core
 from ..patching import Patcher, wraps
+from . import Stage, _calls
+from ._calls import FrameworkCall, Observed
 
 __all__ = [
     "NAME",
     "PACKAGES",
     "ObservedCall",
-    "TrainerCall",
+    "hint",
     "install",
+    "launchers",
+    "replay",
+    "stage",
     "current_trainer",
     "current_call",
     "trainer_init_args",
     "unobserved",
-    "stage_label",
 ]
 
 NAME = "lightning"
-#: Lightning's packages, and torchmetrics (its metrics sync on their own schedule).
-PACKAGES = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities", "torchmetrics")
+#: Lightning's packages (torchmetrics is a library the user calls: judged at the user's calling line).
+PACKAGES = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities")
 
 #: Trainer module -> the package it belongs to.
 _TRAINER_MODULES = {
@@ -64,25 +72,11 @@ _TRAINER_CALLS = ("fit", "validate", "test", "predict")
 _CALLBACK_DISPATCHERS = ("_call_callback_hooks", "call_hook")
 _MODULE_DISPATCHERS = ("_call_lightning_module_hook", "call_hook")
 
-@dataclass
-class TrainerCall:
-    """One observed ``Trainer.<kind>(*args, **kwargs)`` call, for checks that need its arguments."""
-
-    kind: str
-    trainer: Any
-    package: str  # "pytorch_lightning" or "lightning.pytorch"
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-
 
 class _Observer:
     """What the Lightning observer holds (one object for the process)."""
 
     def __init__(self) -> None:
-        #: Trainers inside an observed call, innermost last.
-        self.trainers: list[Any] = []
-        #: Observed calls in flight, innermost last.
-        self.calls: list[TrainerCall] = []
         #: Trainer -> the (args, kwargs) of its ``__init__``, for Trainers built while a run was watching.
         self.init_args: weakref.WeakKeyDictionary[Any, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
         #: > 0 while torchperf runs Lightning itself (timing replays): calls then pass through unobserved.
@@ -92,14 +86,15 @@ class _Observer:
 OBSERVER = _Observer()
 
 
+def current_call() -> Optional[FrameworkCall]:
+    """The observed Trainer call running now, if any."""
+    return _calls.current(NAME)
+
+
 def current_trainer() -> Optional[Any]:
     """The Trainer whose observed call is running now, if any."""
-    return OBSERVER.trainers[-1] if OBSERVER.trainers else None
-
-
-def current_call() -> Optional[TrainerCall]:
-    """The observed Trainer call running now (checks read its arguments in ``on_trainer_call``)."""
-    return OBSERVER.calls[-1] if OBSERVER.calls else None
+    call = current_call()
+    return call.trainer if call is not None else None
 
 
 def trainer_init_args(trainer: Any) -> Optional[tuple[tuple, dict]]:
@@ -120,21 +115,22 @@ def unobserved() -> Iterator[None]:
         OBSERVER.unobserved -= 1
 
 
-def stage_label() -> Optional[tuple[str, bool]]:
-    """``("epoch 2 (train)", is_sanity_check)`` for the running trainer, or None outside Lightning."""
-    trainer = current_trainer()
-    if trainer is None:
-        return None
-    sanity = bool(getattr(trainer, "sanity_checking", False))
-    if sanity:
-        return "sanity check", True
-    stage = getattr(getattr(trainer, "state", None), "stage", None)
-    stage_name = getattr(stage, "value", stage)
+def _stage(call: FrameworkCall) -> Optional[Stage]:
+    """``Stage("epoch 2 (train)", sanity, training)`` for the running trainer of ``call``."""
+    trainer = call.trainer
+    if bool(getattr(trainer, "sanity_checking", False)):
+        return Stage("sanity check", True, False)
+    state = getattr(getattr(trainer, "state", None), "stage", None)
+    stage_name = getattr(state, "value", state)
     epoch = getattr(trainer, "current_epoch", None)
     parts = [f"epoch {epoch}" if epoch is not None else "epoch ?"]
     if stage_name:
         parts.append(f"({stage_name})")
-    return " ".join(parts), False
+    return Stage(" ".join(parts), False, call.kind == "fit" and bool(getattr(trainer, "training", False)))
+
+
+#: Capability (see :class:`pytest_torchperf.frameworks.Adapter`): where a Trainer call is now.
+stage: Optional[Callable[[FrameworkCall], Optional[Stage]]] = _stage
 
 
 def _each_run(method: str) -> None:
@@ -230,46 +226,33 @@ def _attach_to_fit(patcher: Patcher, trainer: Any, model: Any, package: str, bat
             patcher.wrap(owner, module_hook, functools.partial(_wrap_dispatcher, role="module", bound=bound))
 
 
-class ObservedCall:
+class ObservedCall(Observed):
     """Observe one Trainer call for ``runs`` (default: the active runs) while the ``with`` block runs it.
 
     What the ``Trainer.fit/validate/test/predict`` wrappers do around the
-    original call: the call is current (:func:`current_call`), the checks get
-    ``on_trainer_call`` / ``on_trainer_call_end``, and a fit's
-    ``training_step`` marks the steps. A rank process started by a launcher
-    (``ddp_spawn``) runs the call its parent began, without going through
-    ``Trainer.fit``: it observes it with this. A plain class, not a generator:
-    an exception of the user's passes through without torchperf frames.
+    original call: the call is current, the checks get ``on_framework_call`` /
+    ``on_framework_call_end``, and a fit's ``training_step`` marks the steps. A
+    rank process started by a launcher (``ddp_spawn``) runs the call its parent
+    began, without going through ``Trainer.fit``: it observes it with this
+    (:data:`launchers`). A plain class, not a generator: an exception of the
+    user's passes through without torchperf frames.
     """
 
-    def __init__(self, call: TrainerCall, model: Any, runs: Optional[list[Any]] = None) -> None:
-        self.call = call
-        self.model = model
-        self.runs = list(core.active_runs()) if runs is None else runs
-        self._local = Patcher()
-
     def __enter__(self) -> ObservedCall:
-        call, model, local = self.call, self.model, self._local
+        call = self.call
         try:
-            OBSERVER.trainers.append(call.trainer)
-            local.callback(OBSERVER.trainers.pop)
-            OBSERVER.calls.append(call)
-            local.callback(OBSERVER.calls.pop)  # type: ignore[arg-type]
-            for run in self.runs:
-                run.notify("on_trainer_call", call.kind, call.trainer, model)
-            if call.kind == "fit" and model is not None:
+            super().__enter__()
+            if call.kind == "fit" and call.model is not None:
                 batch_scope = any(run.scope == "batch" or getattr(run, "wants_batches", False) for run in self.runs)
-                _attach_to_fit(local, call.trainer, model, call.package, batch_scope)
+                _attach_to_fit(call.patcher, call.trainer, call.model, call.package, batch_scope)
         except Exception as exc:  # noqa: BLE001 - never into the user's code
-            core.probe_failed("lightning", exc)
+            core.probe_failed(NAME, exc)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._local.undo()
-        call = self.call
         for run in self.runs:
             run.batch_ended()
-            run.notify("on_trainer_call_end", call.kind, call.trainer, self.model)
+        super().__exit__(*exc_info)
 
 
 def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) -> Callable[..., Any]:
@@ -277,11 +260,10 @@ def _wrap_trainer_call(kind: str, original: Callable[..., Any], package: str) ->
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # a user's exception shows the user's frames, not ours
         runs = list(core.active_runs())
-        observer = OBSERVER
-        if not runs or observer.unobserved or any(t is self for t in observer.trainers):
+        if not runs or OBSERVER.unobserved or _calls.in_call(self):
             return original(self, *args, **kwargs)
         model = args[0] if args else kwargs.get("model")
-        with ObservedCall(TrainerCall(kind, self, package, args, dict(kwargs)), model, runs):
+        with ObservedCall(FrameworkCall(NAME, kind, self, model, package, args, dict(kwargs)), runs):
             return original(self, *args, **kwargs)
 
     return call
@@ -322,6 +304,57 @@ def install(patcher: Patcher) -> None:
             try:
                 _patch_trainer(patcher, module.Trainer, package)
             except Exception as exc:  # noqa: BLE001 - never into the user's import
-                core.probe_failed("lightning", exc)
+                core.probe_failed(NAME, exc)
 
         patcher.on_import(module_name, attach)
+
+
+def hint(frame: Any, op: str) -> str:
+    """Lightning's own syncs are notes without a setting to name (its logged values are read where the user
+    logs them)."""
+    return ""
+
+
+class _Replay:
+    """Capability for ``max_overhead`` (see :class:`pytest_torchperf.frameworks.Replay`)."""
+
+    def init_args(self, trainer: Any) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
+        return trainer_init_args(trainer)
+
+    def rebuildable(self, trainer: Any) -> bool:
+        cls = type(trainer)
+        return "__init__" not in vars(cls) or cls.__module__ in _TRAINER_MODULES
+
+    def unobserved(self) -> contextlib.AbstractContextManager[None]:
+        return unobserved()
+
+
+class _Launchers:
+    """Capability for the rank launchers (see :class:`pytest_torchperf.frameworks.Launchers`): a ``ddp_spawn``
+    strategy's launcher runs ``_wrapping_function`` in each rank, which re-runs the Trainer call."""
+
+    def is_launch(self, fn: Any) -> bool:
+        owner = getattr(fn, "__self__", None)
+        module = type(owner).__module__ if owner is not None else ""
+        return module.startswith(("pytorch_lightning.", "lightning.pytorch.")) and (
+            getattr(fn, "__name__", "") == "_wrapping_function"
+        )
+
+    def observe(self, kind: str, package: str, args: tuple[Any, ...], runs: list[Any]) -> Optional[Observed]:
+        trainer = args[0] if args else None
+        if trainer is None or not hasattr(trainer, "strategy"):
+            return None
+        model = None
+        call_args = args[2] if len(args) > 2 and isinstance(args[2], (tuple, list)) else ()
+        for candidate in call_args:
+            if hasattr(candidate, "training_step"):
+                model = candidate
+                break
+        if model is None:
+            model = getattr(trainer, "lightning_module", None)
+        return ObservedCall(FrameworkCall(NAME, kind, trainer, model, package, (model,), {}), runs)
+
+
+#: Capabilities (see :class:`pytest_torchperf.frameworks.Adapter`).
+replay: Optional[_Replay] = _Replay()
+launchers: Optional[_Launchers] = _Launchers()

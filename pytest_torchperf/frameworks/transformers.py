@@ -1,6 +1,6 @@
 """Adapter for the Hugging Face ``transformers.Trainer`` (see :mod:`pytest_torchperf.frameworks`).
 
-Observed: ``Trainer.train()`` inside a watched run (``on_framework_call``), and
+Observed: ``Trainer.train()`` inside a watched run (``on_framework_call`` / ``on_framework_call_end``), and
 its steps: each ``Trainer.training_step`` call (the user's override, if the
 Trainer's class has one) begins a step, which lasts until the next one begins
 or ``train()`` returns, so the Trainer's own work around the step (the nan/inf
@@ -30,10 +30,14 @@ from .. import core
 from ..patching import Patcher, wraps
 from . import _calls
 
-__all__ = ["NAME", "PACKAGES", "hint", "install"]
+__all__ = ["NAME", "PACKAGES", "hint", "install", "launchers", "replay", "stage"]
 
 NAME = "transformers"
 PACKAGES = ("transformers",)
+#: Capabilities this framework does not provide (see :class:`pytest_torchperf.frameworks.Adapter`).
+stage = None
+replay = None
+launchers = None
 
 _TRAINER_MODULE = "transformers.trainer"
 
@@ -93,7 +97,8 @@ def _wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
         __tracebackhide__ = True
         if not core.active_runs() or _calls.in_call(self):
             return original(self, *args, **kwargs)
-        with _calls.Observed(NAME, "Trainer.train", self) as observed:
+        call = _calls.FrameworkCall(NAME, "Trainer.train", self, package="transformers", args=args, kwargs=dict(kwargs))
+        with _calls.Observed(call) as observed:
             try:
                 _attach(observed, self)
             except Exception as exc:  # noqa: BLE001

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from ..frameworks._calls import FrameworkCall
 
 __all__ = ["Context"]
 
@@ -16,15 +19,15 @@ class Context:
         self.manual_optimization = False
         self.strategy: Optional[str] = None
 
-    def on_trainer_call(self, trainer: Any, model: Any) -> None:
-        strategy = getattr(trainer, "strategy", None)
-        if strategy is None:
+    def on_framework_call(self, call: FrameworkCall) -> None:
+        strategy = getattr(call.trainer, "strategy", None)
+        if call.framework != "lightning" or strategy is None:
             return
         self.lightning = True
         self.strategy = type(strategy).__name__
         launcher = type(getattr(strategy, "launcher", None)).__name__
         self.spawn = launcher == "_MultiProcessingLauncher"
-        self.manual_optimization = not bool(getattr(model, "automatic_optimization", True))
+        self.manual_optimization = not bool(getattr(call.model, "automatic_optimization", True))
 
     @property
     def ddp_name(self) -> str:

@@ -37,7 +37,7 @@ from ..arguments import Flag
 from ..core import Check
 from ..probes import optimizers as _optimizers
 from ..registry import Invariant
-from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
+from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import Stack, capture
 from ..text import plural
 
@@ -168,9 +168,11 @@ class GradsCheck(Check):
                 parts.append(f"gradients reused in {self.steps_reusing_grads} optimizer steps")
             return CheckResult(NAME, FAILED, ", ".join(parts), count, findings, figures)
         if not self.optimizer_steps:
-            summary = "no optimizer step in the run; no gradient zeroed in place"
-        else:
-            summary = f"{self.optimizer_steps} optimizer steps, gradients set to None between them"
+            return CheckResult(
+                NAME, NOT_CHECKED, "no optimizer step in the run: no step between which gradients are cleared",
+                0, [], figures,
+            )
+        summary = f"{self.optimizer_steps} optimizer steps, gradients set to None between them"
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
 

@@ -32,7 +32,7 @@ INVARIANT = Invariant(
     doc="epoch time within this fraction of a vanilla PyTorch loop (e.g. 0.10)",
     check=OverheadCheck,
     figures=Figures,
-    kind=Share(above=0.0, unit="a fraction: 0.10 means 10%"),
+    kind=Share(above=0.0, bare_most=10.0, unit="a fraction: 0.10 means 10%, 2.5 means 250%"),
     default=None,
     arguments=(
         Argument(

@@ -37,6 +37,7 @@ from ..text import plural
 
 if TYPE_CHECKING:
     from ..core import Run
+    from ..frameworks._calls import FrameworkCall
 
 NAME = "mixed_precision"
 
@@ -72,8 +73,8 @@ class PrecisionCheck(Check):
         self._first_float32: Optional[Stack] = None
 
     # -- events ------------------------------------------------------------------------
-    def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
-        precision = getattr(trainer, "precision", None)
+    def on_framework_call(self, call: FrameworkCall) -> None:
+        precision = getattr(call.trainer, "precision", None)
         if precision is not None:
             self.trainer_precision = str(precision)
 

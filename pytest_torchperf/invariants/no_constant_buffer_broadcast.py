@@ -31,6 +31,7 @@ from ._ddp import Context
 
 if TYPE_CHECKING:
     from ..core import Run
+    from ..frameworks._calls import FrameworkCall
 
 NAME = "no_constant_buffer_broadcast"
 
@@ -63,8 +64,8 @@ class ConstantBufferCheck(Check):
         self.modules: dict[int, _Module] = {}
         self.forwards = 0
 
-    def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
-        self.context.on_trainer_call(trainer, model)
+    def on_framework_call(self, call: FrameworkCall) -> None:
+        self.context.on_framework_call(call)
 
     def on_ddp_forward(self, ddp: Any) -> None:
         self.forwards += 1

@@ -39,6 +39,7 @@ from ..text import plural
 
 if TYPE_CHECKING:
     from ..core import Run
+    from ..frameworks._calls import FrameworkCall
 
 NAME = "no_data_parallel"
 
@@ -101,7 +102,9 @@ class DataParallelCheck(Check):
         if rec.first_use is None:
             rec.first_use = stack()
 
-    def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
+    def on_framework_call(self, call: FrameworkCall) -> None:
+        trainer, model = call.trainer, call.model
+        kind = call.kind if "." in call.kind else f"Trainer.{call.kind}"  # Lightning's kinds are method names
         strategy = getattr(trainer, "strategy", None) or getattr(trainer, "training_type_plugin", None)
         name = type(strategy).__name__
         if name in _DP_STRATEGIES and name not in self.strategies:
@@ -115,7 +118,7 @@ class DataParallelCheck(Check):
                 rec = self._record(module)
                 if rec.in_model is None:
                     where = f"submodule '{path}' of" if path else "the model passed to"
-                    rec.in_model = f"{where} {type(model).__name__} (Trainer.{kind})"
+                    rec.in_model = f"{where} {type(model).__name__} ({kind})"
 
     # -- verdict ---------------------------------------------------------------------
     def _note(self, rec: _Instance) -> Finding:

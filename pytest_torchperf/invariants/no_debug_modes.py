@@ -37,7 +37,7 @@ from ..glue import trace
 from ..probes import debug_modes
 from ..probes import graphs as graph_probe
 from ..registry import Invariant
-from ..report import FAILED, PASSED, CheckResult, Finding, Site
+from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import FRAMEWORK, TORCHPERF, Stack, site_of
 from ..text import plural
 
@@ -160,6 +160,11 @@ class DebugModesCheck(Check):
         if failing:
             summary = ", ".join(f"{_WHAT[m]} on in {self.modes[m].steps} steps" for m in failing)
             return CheckResult(NAME, FAILED, summary, len(failing), findings, figures)
+        if not self.steps:
+            return CheckResult(
+                NAME, NOT_CHECKED, "no training step was seen: no step to find a debug mode on in", 0, findings,
+                figures,
+            )
         summary = f"no debug mode on in {plural(self.steps, 'training step')}"
         if noted:
             summary += "; deterministic algorithms on (noted)"

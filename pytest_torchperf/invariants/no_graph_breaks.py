@@ -20,15 +20,24 @@ dynamo calls once per break it takes; compiles are counted with dynamo's
 compile-start callback (probe ``recompiles``). Nothing changes what dynamo
 does. Any backend works (``backend="eager"`` on CPU).
 
-Blind spots: a break is seen when dynamo compiles, so code compiled before the
-run (or outside the steps) and only reused in the steps is not seen; frames
-dynamo skips as a whole (a loop with a break in it, "skipping frame") are
-reported with the reason dynamo gives, once.
+Code compiled before the first step (``c = torch.compile(model)``, then a
+loop whose first call compiles before the first automatic step begins), in an
+earlier test (dynamo reuses what it compiled for the same class, whatever
+instance) or before the watch is judged where a step runs it: the first time
+a step calls a compiled function, the probe reads the breaks dynamo compiled
+into it from dynamo's own compiled versions of its code (see
+:mod:`pytest_torchperf.probes._compiled`), with the reason torchperf or
+dynamo's compilation records kept. Nothing is compiled again for it.
+
+Blind spots: frames dynamo skips as a whole (a loop with a break in it,
+"skipping frame") are reported with the reason dynamo gives, once; a compiled
+function called only from another compiled one is read through its caller
+(a module's submodules are read with it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, TypedDict
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Argument, Flag, Integer
 from ..core import Check
@@ -84,6 +93,10 @@ class _Site:
         self.event = event
         self.count = 1
         self.steps: list[int] = [step] if step is not None else []
+        #: The step that first ran it, compiled before (None: compiled in a step).
+        self.ran_in: Optional[int] = None
+        #: Compiled before this run began (an earlier test), not while it watched.
+        self.earlier = False
 
 
 class GraphBreakCheck(Check):
@@ -96,8 +109,11 @@ class GraphBreakCheck(Check):
         self.limit: int = run.options.max_graph_breaks
         self.compiles = 0
         self.sites: dict[tuple, _Site] = {}
-        #: Breaks taken while compiling outside the steps (validation, a warm-up call): not counted.
-        self.outside = 0
+        #: Break sites taken while compiling outside the steps (validation, a warm-up call) and not run
+        #: in a step since: not counted.
+        self.outside: set[tuple] = set()
+        #: Compiled functions a step called whose code dynamo had compiled before (outside the steps, earlier).
+        self.ran_compiled = 0
         self.attached: Optional[bool] = None
 
     def on_run_end(self) -> None:
@@ -107,11 +123,10 @@ class GraphBreakCheck(Check):
         self.compiles += 1
 
     def on_graph_break(self, event: GraphBreak) -> None:
+        key = self._key(event)
         if not self.run.in_scope:
-            self.outside += 1
+            self.outside.add(key)
             return
-        frame = _site_frame(event)
-        key = (frame.filename, frame.lineno, event.kind) if frame is not None else ("", 0, event.kind)
         site = self.sites.get(key)
         if site is None:
             self.sites[key] = _Site(event, self.run.unit)
@@ -119,6 +134,25 @@ class GraphBreakCheck(Check):
             site.count += 1
             if self.run.unit is not None and self.run.unit not in site.steps:
                 site.steps.append(self.run.unit)
+
+    def on_compiled_code_run(self, codes: list[Any], breaks: list[GraphBreak]) -> None:
+        """A compiled function a step calls, compiled before (before the first step, in an earlier test)."""
+        self.ran_compiled += 1
+        for event in breaks:
+            key = self._key(event)
+            site = self.sites.get(key)
+            if site is None:
+                site = self.sites[key] = _Site(event, None)
+                site.ran_in = self.run.unit
+                site.earlier = key not in self.outside
+            elif site.ran_in is None:
+                site.ran_in = self.run.unit
+            self.outside.discard(key)
+
+    @staticmethod
+    def _key(event: GraphBreak) -> tuple:
+        frame = _site_frame(event)
+        return (frame.filename, frame.lineno, event.kind) if frame is not None else ("", 0, event.kind)
 
     def _finding(self, site: _Site) -> Finding:
         event = site.event
@@ -134,6 +168,11 @@ class GraphBreakCheck(Check):
             facts.append(f"taken {times(site.count)} (each compile of the function breaks there again)")
         if site.steps:
             facts.append(f"compiled in {self.run.unit_name} {site.steps[0]}")
+        elif site.ran_in is not None:
+            when = "before this test was watched" if site.earlier else f"before {self.run.unit_name} 1"
+            facts.append(
+                f"compiled {when} (dynamo reuses the compiled code), run in {self.run.unit_name} {site.ran_in}"
+            )
         return Finding(title, facts, [Site("graph break", event.stack, site.count)], _hint(event))
 
     def result(self) -> CheckResult:
@@ -142,7 +181,8 @@ class GraphBreakCheck(Check):
             "compiles": self.compiles,
             "graph_breaks": len(sites),
             "graph_breaks_taken": sum(s.count for s in sites),
-            "graph_breaks_outside_steps": self.outside,
+            "graph_breaks_outside_steps": len(self.outside),
+            "compiled_functions_reused": self.ran_compiled,
             "max_graph_breaks": self.limit,
             "reasons": sorted({s.event.kind for s in sites}),
         }
@@ -153,7 +193,7 @@ class GraphBreakCheck(Check):
                 "this torch version's dynamo has no graph-break hook torchperf knows",
                 figures=figures,
             )
-        if not self.compiles and not sites:
+        if not self.compiles and not sites and not self.ran_compiled:
             return CheckResult(
                 NAME, NOT_CHECKED, "nothing was compiled with torch.compile during the run", figures=figures
             )
@@ -167,8 +207,10 @@ class GraphBreakCheck(Check):
             summary = f"{plural(len(sites), 'graph break')}, within max_graph_breaks={self.limit}"
         else:
             summary = f"{plural(self.compiles, 'compile')}, no graph break in the training step"
+            if not self.compiles:
+                summary = "compiled code reused from before the watch, no graph break in it"
             if self.outside:
-                summary += f" ({plural(self.outside, 'break')} outside the steps, not counted)"
+                summary += f" ({plural(len(self.outside), 'break')} outside the steps, not counted)"
         return CheckResult(NAME, PASSED, summary, 0, findings, figures)
 
 
@@ -179,6 +221,7 @@ class Figures(TypedDict, total=False):
     graph_breaks: int
     graph_breaks_taken: int
     graph_breaks_outside_steps: int
+    compiled_functions_reused: int
     max_graph_breaks: Optional[int]
     reasons: list[str]
 

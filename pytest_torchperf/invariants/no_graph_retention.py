@@ -77,6 +77,7 @@ from ._memory import MemoryFigures, MemoryTrace, format_bytes
 
 if TYPE_CHECKING:
     from ..core import Run
+    from ..frameworks._calls import FrameworkCall
 
 NAME = "no_graph_retention"
 
@@ -287,8 +288,8 @@ class GraphRetentionCheck(Check):
             return  # a backward pass before the first step: not a step's graph
         self.nodes_tagged += tag_graph(roots, self.starts[step - 1], self.key, self._sentinel(step))
 
-    def on_trainer_call_end(self, kind: str, trainer: Any, model: Any) -> None:
-        if kind == "fit":
+    def on_framework_call_end(self, call: FrameworkCall) -> None:
+        if call.kind == "fit":
             steps = len(self.starts)
             self._judge(steps - 1, scan_at=steps, final=True)
 

@@ -25,14 +25,14 @@ from ..allow import AllowList
 from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import Located, describe_frame, owner_label, stack_of
-from ..frameworks import lightning
 from ..probes.syncs import PROBE, WOULD, Op, Sync
 from ..registry import Invariant
 from ..report import CheckResult, Finding, Site
-from ..stacks import TORCH, TORCHPERF, USER, Frame, Stack, classify
+from ..stacks import TORCH, TORCHPERF, USER, Frame, Stack, classify, until_user_frame
 from ..text import plural
 from ._steps import (
     DEFAULT_RATE,
+    PERIODIC,
     PerStep,
     cadence,
     cadence_text,
@@ -160,6 +160,8 @@ class _SyncSite(PerStep):
         self.frame: Frame = describe_frame(located.frame)
         self.kind = located.kind
         self.via = located.via
+        #: The sync is inside a library the user's line called.
+        self.library = located.library
         self.stack = stack
         self.allowed_by = allowed_by
         #: Seen inside a Lightning Trainer call (the hint then speaks Lightning).
@@ -232,8 +234,11 @@ class HostSyncCheck(Check):
         key = (event.op.name, located.frame.f_code, located.frame.f_lineno, allowed_by)
         site = self._sites.get(key)
         if site is None:
-            in_lightning = lightning.current_call() is not None
-            site = self._sites[key] = _SyncSite(event.op, located, stack_of(event.frame), allowed_by, in_lightning)
+            in_lightning = frameworks.current_call("lightning") is not None
+            stack = stack_of(event.frame)
+            if located.library:  # the user's line is the site: the library's frames inside it are not shown
+                stack = until_user_frame(stack)
+            site = self._sites[key] = _SyncSite(event.op, located, stack, allowed_by, in_lightning)
         site.record(self.run.unit, self.epoch, event.device)
         return site
 
@@ -249,6 +254,12 @@ class HostSyncCheck(Check):
         key = site.op.hint
         text = _LIGHTNING_HINTS.get(key, _HINTS[key]) if site.in_lightning else _HINTS[key]
         text = text.format(rate=f"{self.limit:g}")
+        if site.library:
+            text = (
+                f"the sync is inside {site.via}, which your line calls every step: turn off the library's input "
+                "checks if it has a switch (torchmetrics: validate_args=False), or call it less often (update "
+                "every N steps, or on a batch of steps' values kept on the device). Else: " + text
+            )
         if key in _HOST_NEEDS:
             where = f"{os.path.basename(site.frame.filename)}:{site.frame.lineno}"
             text += (f". If Python needs the value every step (an environment's step, a decision only the host "
@@ -308,16 +319,21 @@ class HostSyncCheck(Check):
         return Finding(title, facts, [Site(label, site.stack, site.count)], hint)
 
     def _cadence_fact(self, site: _SyncSite, total: int, unit: str) -> str:
-        share = rate(site, total)
-        what = {
-            "periodic": f"periodic: after its first {unit} in each epoch, it synced in at most "
-                        f"{self.limit:g} of the {unit}s (max_sync_rate={self.limit:g})",
-            "once per epoch": "at most once per epoch (pass over a DataLoader), and not in every "
-                              f"{unit}",
-            "once": "once in the run",
-        }[site.cadence or "once"]
-        measured = f" (rate {share:.2f})" if share is not None and site.per_unit else ""
-        return f"{what}{measured}: a note, not a failure; max_sync_rate=0 fails on it"
+        if site.cadence == PERIODIC:
+            # The rate held against the limit, not the raw one beside it (which may read above the limit).
+            beyond = periodic_rate(site, total) or 0.0
+            share = rate(site, total)
+            first = f"; {rate_text(share)} counting the first" if share is not None and share != beyond else ""
+            what = (
+                f"periodic: after its first {unit} in each epoch, it synced in {rate_text(beyond, self.limit)} of "
+                f"the {unit}s, within max_sync_rate={self.limit:g}{first}"
+            )
+        else:
+            what = {
+                "once per epoch": f"at most once per epoch (pass over a DataLoader), and not in every {unit}",
+                "once": "once in the run",
+            }[site.cadence or "once"]
+        return f"{what}: a note, not a failure; max_sync_rate=0 fails on it"
 
     def result(self) -> CheckResult:
         run = self.run

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
+from .. import frameworks
 from ..arguments import Flag
 from ..core import Check
-from ..frameworks import lightning
 from ..probes.batches import PROBE as BATCHES
 from ..probes.batches import Pass
 from ..probes.iterators import DROP, POOL, SHUTDOWN
@@ -43,6 +43,7 @@ from ._pool_cost import RunClock, first_batch_line, first_batches, pool_cost
 
 if TYPE_CHECKING:
     from ..core import Run
+    from ..frameworks._calls import FrameworkCall
 
 NAME = "no_iterator_reset"
 _ORDINALS = {1: "first", 2: "second", 3: "third"}
@@ -125,14 +126,14 @@ class IteratorResetCheck(Check):
         self.clock = RunClock()
 
     # -- events from the probe ----------------------------------------------------
-    def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
+    def on_framework_call(self, call: FrameworkCall) -> None:
         self._segment += 1
-        self.clock.call(kind)
-        reload = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
+        self.clock.call(call.kind)
+        reload = getattr(call.trainer, "reload_dataloaders_every_n_epochs", 0)
         if isinstance(reload, int) and reload > 0:
             self._reload[self._segment] = reload
 
-    def on_trainer_call_end(self, kind: str, trainer: Any, model: Any) -> None:
+    def on_framework_call_end(self, call: FrameworkCall) -> None:
         self.clock.call_end()
 
     def on_run_end(self) -> None:
@@ -147,9 +148,9 @@ class IteratorResetCheck(Check):
         return rec
 
     def _label(self, rec: _Loader) -> tuple[str, bool]:
-        stage = lightning.stage_label()
+        stage = frameworks.stage()
         if stage is not None:
-            return stage
+            return stage.label, stage.sanity
         return f"pass {rec.passes}", False
 
     def on_dataloader_pass(self, loader: Any) -> None:

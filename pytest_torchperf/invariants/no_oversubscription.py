@@ -36,11 +36,12 @@ from ..arguments import Flag
 from ..core import Check
 from ..probes.threads import PROBE
 from ..registry import Invariant
-from ..report import FAILED, PASSED, CheckResult, Finding, Site
+from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..text import plural
 
 if TYPE_CHECKING:
     from ..core import Run
+    from ..frameworks._calls import FrameworkCall
 
 NAME = "no_oversubscription"
 _ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -79,7 +80,8 @@ class OversubscriptionCheck(Check):
             workers = int(getattr(loader, "num_workers", 0) or 0)
             self.pools[id(loader)] = (workers, bool(getattr(loader, "persistent_workers", False)))
 
-    def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
+    def on_framework_call(self, call: FrameworkCall) -> None:
+        trainer = call.trainer
         devices = int(getattr(trainer, "num_devices", 1) or 1)
         if devices > 1 and int(getattr(trainer, "world_size", 1) or 1) > 1:
             self.ranks, self.ranks_from = devices, f"the Trainer runs {devices} processes on this machine"
@@ -122,7 +124,7 @@ class OversubscriptionCheck(Check):
             "threads": total,
         }
         if not self.main:
-            return CheckResult(NAME, PASSED, "no training step ran: nothing to count", 0, [], figures)
+            return CheckResult(NAME, NOT_CHECKED, "no training step ran: nothing to count", 0, [], figures)
         if total <= cores:
             summary = f"{plural(total, 'CPU thread')} for {plural(cores, 'core')}"
             return CheckResult(NAME, PASSED, summary, 0, [], figures)

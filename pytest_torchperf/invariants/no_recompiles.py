@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
+from .. import frameworks
 from ..arguments import Argument, Flag, Integer
 from ..core import Check
-from ..frameworks import lightning
 from ..probes.loaders import PROBE as LOADERS
 from ..probes.recompiles import PROBE
 from ..registry import Invariant
@@ -151,12 +151,12 @@ class RecompileCheck(Check):
         if limit is not None:
             return steps <= limit, f"step {steps}"
         warm = _mode_change(guard)
-        call = lightning.current_call()
-        stage = lightning.stage_label()
+        call = frameworks.current_call()
+        stage = frameworks.stage()
         if call is not None and stage is not None:
             if call.kind != "fit":
                 return True, f"Trainer.{call.kind}"
-            return warm, stage[0]
+            return warm, stage.label
         passes = self.log.most_passes
         if passes:
             return warm, f"epoch {passes - 1} (step {steps})"

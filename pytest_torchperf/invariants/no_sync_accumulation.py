@@ -32,6 +32,7 @@ from ._ddp import Context
 
 if TYPE_CHECKING:
     from ..core import Run
+    from ..frameworks._calls import FrameworkCall
 
 NAME = "no_sync_accumulation"
 
@@ -66,8 +67,8 @@ class SyncAccumulationCheck(Check):
         #: Per entry of ``steps``: whether it was an FSDP2 step (no DDP round in it).
         self._fsdp_steps: list[bool] = []
 
-    def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
-        self.context.on_trainer_call(trainer, model)
+    def on_framework_call(self, call: FrameworkCall) -> None:
+        self.context.on_framework_call(call)
 
     def on_ddp_forward(self, module: Any) -> None:
         torch = self._torch

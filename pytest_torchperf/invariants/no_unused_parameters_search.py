@@ -35,6 +35,7 @@ from ._ddp import Context
 
 if TYPE_CHECKING:
     from ..core import Run
+    from ..frameworks._calls import FrameworkCall
 
 NAME = "no_unused_parameters_search"
 
@@ -79,8 +80,8 @@ class UnusedParametersCheck(Check):
         self._by_reducer: dict[int, _Module] = {}
         self._torch: Any = None
 
-    def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
-        self.context.on_trainer_call(trainer, model)
+    def on_framework_call(self, call: FrameworkCall) -> None:
+        self.context.on_framework_call(call)
 
     def on_ddp_forward(self, ddp: Any) -> None:
         rec = self._modules.get(id(ddp))

@@ -33,11 +33,11 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
+from .. import frameworks
 from ..allow import AllowList
 from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import describe_frame, locate, owner_label, stack_of
-from ..frameworks import lightning
 from ..probes._host import DATA, LEGACY
 from ..probes.tensors import PROBE as TENSORS
 from ..probes.tensors import Birth, Move
@@ -99,7 +99,7 @@ class _Copy(PerStep):
         self._tensors: dict[int, tuple[Any, set[Optional[int]]]] = {}
         #: The most steps one tensor was copied in.
         self.most_steps = 0
-        self.in_lightning = lightning.current_call() is not None
+        self.in_lightning = frameworks.current_call("lightning") is not None
         # The hints read the statements' source (``ast``): only your code's copies show them (a library's copy
         # is a note without a hint; Lightning's logged values are two such copies in every fit).
         self.hint = spell(event, mover, self.in_lightning) if by_user else ""

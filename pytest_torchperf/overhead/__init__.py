@@ -36,7 +36,7 @@ checkpointing (``enable_checkpointing=False``; ModelCheckpoint and
 EarlyStopping removed), no model summary, files under a temporary directory,
 and torchperf's profiler. Where the extra time went comes from Lightning's own
 profiler actions (``[Callback]X.on_train_batch_end``, ...) recorded during the
-untimed warm-up epoch (an epoch's hooks spread over a whole epoch's batches).
+untimed warm-up epoch, from its second batch on where it ends early (the first carries one-time costs).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The ``max_overhead`` verdict: per-run state, one outcome per observed fit, the check's result.
 
-Events from the Trainer observer record each ``Trainer.fit``
+Events from the framework adapters record each fit of a framework whose adapter can replay it
+(Lightning's ``Trainer.fit``)
 (:class:`~.replay.ObservedFit`); after the run, :meth:`OverheadCheck.result`
 replays each fit that the vanilla loop can mirror and compares the two.
 """
@@ -12,8 +13,8 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from .. import frameworks
 from ..clocks import perf_counter
-from ..frameworks import lightning
 from ..report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Frame, Stack, capture
 from ..timing import NotMirrored, ParityResult
@@ -24,6 +25,7 @@ from .replay import ObservedFit, config_refusals, copy_callbacks, mirrored_confi
 
 if TYPE_CHECKING:
     from ..core import Run
+    from ..frameworks._calls import FrameworkCall
 
 NAME = "max_overhead"
 
@@ -40,22 +42,23 @@ class OverheadCheck:
         self.other_calls: list[str] = []
 
     # -- events -------------------------------------------------------------------
-    def on_framework_call(self, call: Any) -> None:
-        self.other_calls.append(f"{call.framework} {call.kind}()")
-
-    def on_trainer_call(self, kind: str, trainer: Any, model: Any) -> None:
-        if kind != "fit" or model is None:
+    def on_framework_call(self, call: FrameworkCall) -> None:
+        replay = frameworks.adapter(call.framework).replay
+        if replay is None:
+            self.other_calls.append(f"{call.framework} {call.kind}()")
             return
-        call = lightning.current_call()
+        trainer, model = call.trainer, call.model
+        if call.kind != "fit" or model is None:
+            return
         fit = ObservedFit(
             index=len(self.fits) + 1,
             module_name=type(model).__name__,
             stack=capture(),
             trainer=trainer,
-            package=call.package if call is not None else "pytorch_lightning",
-            call_args=call.args if call is not None else (model,),
-            call_kwargs=dict(call.kwargs) if call is not None else {},
-            init=lightning.trainer_init_args(trainer),
+            package=call.package,
+            call_args=call.args,
+            call_kwargs=dict(call.kwargs),
+            init=replay.init_args(trainer),
         )
         if fit.init is None:
             fit.refusals.append(
@@ -63,7 +66,7 @@ class OverheadCheck:
                 "so it cannot be rebuilt for the timing replay; build it inside the watched test body or "
                 "`torchperf.watch()` block"
             )
-        elif "__init__" in vars(type(trainer)) and type(trainer).__module__ not in lightning._TRAINER_MODULES:
+        elif not replay.rebuildable(trainer):
             fit.refusals.append(
                 f"the Trainer is a {type(trainer).__name__} with its own __init__; the timing replay can only "
                 "rebuild it from Trainer's own arguments"
@@ -79,8 +82,9 @@ class OverheadCheck:
             fit.callbacks = copy_callbacks(fit.init, trainer, model)
         self.fits.append(fit)
 
-    def on_trainer_call_end(self, kind: str, trainer: Any, model: Any) -> None:
-        if kind != "fit":
+    def on_framework_call_end(self, call: FrameworkCall) -> None:
+        trainer, model = call.trainer, call.model
+        if call.kind != "fit" or frameworks.adapter(call.framework).replay is None:
             return
         fit = next((f for f in reversed(self.fits) if f.trainer is trainer and not f.ended), None)
         if fit is None:

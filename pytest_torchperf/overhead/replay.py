@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from .. import frameworks
 from ..clocks import perf_counter
 from ..core import suspended
-from ..frameworks import lightning
 from ..stacks import Stack
 from ..timing import (
     WARMUP_BATCHES,
@@ -48,12 +48,14 @@ from ..timing.vanilla import _autocast_dtype, _module_device
 
 NAMES = ("Lightning fit", "vanilla loop")
 
-#: Batches of the replay's untimed, profiled first Lightning epoch (rounded up to whole accumulation
-#: windows): the first steps of a new Trainer (the DataLoader's first iterator, the optimizer's state,
-#: the loggers' set-up) and enough batches for per-batch profile figures. A longer epoch stops there
-#: (``on_train_batch_start`` returns -1, Lightning's own way to end an epoch early): the whole first
-#: epoch cost a 2-epoch test's check about 0.4 fits of its time.
-LIGHTNING_WARMUP_BATCHES = 8
+#: Batches of the replay's untimed first Lightning epoch (rounded up to whole accumulation windows): the
+#: first steps of a new Trainer (the DataLoader's first iterator, the optimizer's state, the loggers' and
+#: the logged metrics' set-up: all in the first step; the code itself is warm from the user's fit) and
+#: a few steady ones for the per-batch profile, which starts at the second batch so that no one-time
+#: cost is charged to a hook. A longer epoch stops there (``on_train_batch_start`` returns -1,
+#: Lightning's own way to end an epoch early). A whole first epoch cost a 2-epoch test's check about
+#: 0.4 fits of its time; 8 batches still cost a whole epoch of an 8-batch test.
+LIGHTNING_WARMUP_BATCHES = 4
 
 _DROPPED_TRAINER_ARGS = (
     "max_steps",
@@ -272,6 +274,11 @@ class _Interleaver:
         if module is not None:
             module.__dict__.pop("on_train_batch_start", None)
 
+    def on_train_batch_start(self) -> None:
+        self.batches += 1
+        if self.epoch == 0 and self.batches == 2 and self.epoch_batches is not None:
+            self.profiler.enabled = True  # a warm-up cut short: its first batch (one-time costs) unprofiled
+
     def _vanilla_epoch(self, batches: int) -> tuple[float, Optional[float]]:
         assert self.loop is not None
         watch = Stopwatch(self.device)
@@ -308,7 +315,9 @@ class _Interleaver:
             self.threads.add(threads)
         starting = self.epoch + 1
         if starting == 0:
-            self.profiler.enabled = True
+            # A warm-up that ends early profiles from its second batch on (on_train_batch_start); a whole
+            # one (an epoch of unknown length, or no longer than the warm-up) is profiled whole.
+            self.profiler.enabled = self.epoch_batches is None
         else:
             ended = starting - 1
             n = self.batches
@@ -318,7 +327,7 @@ class _Interleaver:
             assert loop is not None
             if ended == 0:
                 self.profiler.enabled = False
-                self.profiled_batches = n
+                self.profiled_batches = n - 1 if self.epoch_batches is not None else n
                 if self.epoch_batches is not None:
                     self.end_warmup_limit()
                     if n == self.warmup_batches:
@@ -362,7 +371,7 @@ def _timer_callback(package: str) -> Any:
                 self.interleaver.on_train_epoch_start(trainer)
 
             def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
-                self.interleaver.batches += 1
+                self.interleaver.on_train_batch_start()
 
         _classes[key] = TorchperfEpochTimer
     return _classes[key]
@@ -558,7 +567,7 @@ def run_replay(fit: ObservedFit, max_overhead: Optional[float], rounds: int) -> 
         with suspended() as outer, timing_lock() as lock:
             if outer:
                 notes.append("another torchperf run was watching during the timing: its probes were installed")
-            with frozen_heap(), LoadMeter() as load, _isolated_rng(), _quiet(), lightning.unobserved():
+            with frozen_heap(), LoadMeter() as load, _isolated_rng(), _quiet(), frameworks.unobserved():
                 started = perf_counter()
                 trainer = type(fit.trainer)(**kwargs)
                 trainer.fit(**fit_kwargs)

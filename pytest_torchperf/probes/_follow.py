@@ -13,12 +13,16 @@ timestep embedding is::
 The rule is the same for every operation: a result computed only from host
 tensors (python numbers are fine) is a host tensor, with the birth of its
 first host input and the operation appended to its path. :func:`install`
-applies it to every public ``torch`` function that is one of torch's own
-operators (``torch.exp``, ``torch.matmul``, ``torch.where``, ``torch.outer``...),
+applies it to every public, non in-place Tensor method that returns a new
+tensor (``pow``, ``sin``, ``sum``, ``repeat``, ``flip``...), except those in
+:data:`SKIP_METHODS` (no tensor result, views, already followed elsewhere),
 to ``torch.einsum`` and the other Python functions of :data:`PY_FUNCTIONS`,
-and to every public, non in-place Tensor method that returns a new tensor
-(``pow``, ``sin``, ``sum``, ``repeat``, ``flip``...), except those in
-:data:`SKIP_METHODS` (no tensor result, views, already followed elsewhere).
+and to the eight table-building operators of :data:`TABLE_MATH` (``torch.exp``,
+``torch.outer``...). Torch's other operators in the ``torch`` namespace
+(``torch.lt``, ``torch.add``, ``torch.relu``...) are not wrapped: code keeps them
+in tables and compares them (``op == torch.lt``), so a watch leaves them the
+very objects they were; their results (``torch.tanh(t)``, where ``t.tanh()``
+is followed) count as device tensors.
 Views (``t[:, None]``, ``t.unsqueeze(0)``) keep the provenance of their base
 without a wrapper.
 
@@ -46,11 +50,18 @@ if TYPE_CHECKING:
     from ..patching import Patcher
     from ._host import HostRegistry
 
-__all__ = ["PY_FUNCTIONS", "SKIP_METHODS", "SKIP_FUNCTIONS", "install", "method_names", "function_names"]
+__all__ = ["PY_FUNCTIONS", "SKIP_METHODS", "TABLE_MATH", "install", "method_names", "function_names"]
 
-#: Python-level ``torch`` functions followed besides torch's own operators.
+#: The ``torch`` functions followed: Python functions of torch (``torch.einsum`` calls torch's operator
+#: directly, past any Tensor method); torch's own operators are followed through their Tensor methods.
 PY_FUNCTIONS = ("einsum", "tensordot", "cdist", "broadcast_tensors", "meshgrid", "cartesian_prod", "block_diag",
                 "norm", "split", "chain_matmul", "atleast_1d", "atleast_2d", "atleast_3d")
+#: The few operators of the ``torch`` namespace followed too: the math that builds position and timestep
+#: tables on the host, spelled as functions more often than as methods (``torch.exp(-log(10000) * i / d)``,
+#: ``torch.outer(t, inv_freq)``, ``torch.polar(ones, freqs)``). Comparisons and the arithmetic and activations
+#: code keys op tables by (``torch.lt``, ``torch.add``, ``torch.relu``) are left alone: their Tensor methods
+#: and operators follow them.
+TABLE_MATH = ("exp", "log", "sin", "cos", "pow", "sqrt", "outer", "polar")
 #: Tensor methods never wrapped: no tensor result, a view (its ``_base`` keeps the provenance), a move or a
 #: conversion (followed by :mod:`.tensors`), or hot on every path while meaning nothing here.
 SKIP_METHODS = frozenset((
@@ -71,30 +82,6 @@ SKIP_METHODS = frozenset((
     "masked_fill", "triu", "tril", "float", "double", "half", "bfloat16", "long", "int", "short", "bool",
     "byte", "char", "cfloat", "cdouble", "sum_to_size", "data", "grad", "is_leaf",
 ))
-#: ``torch`` functions never wrapped (factories are followed by :mod:`.tensors`; these give no tensor or
-#: are called by torch's own code on every path).
-SKIP_FUNCTIONS = frozenset((
-    "numel", "result_type", "can_cast", "promote_types", "is_tensor", "is_storage", "is_complex",
-    "is_floating_point", "is_nonzero", "is_same_size", "is_signed", "is_inference", "is_conj", "is_neg",
-    "is_grad_enabled", "is_inference_mode_enabled", "is_autocast_enabled", "get_default_dtype", "get_device",
-    "set_flush_denormal", "from_file", "frombuffer", "get_num_threads", "set_num_threads", "dsmm", "hsmm",
-    "detach", "clone", "triu", "tril", "stack", "cat", "concat", "concatenate", "sym_float", "sym_int",
-    "sym_max", "sym_min", "sym_not", "sym_ite", "sym_sum", "sym_fresh_size", "unify_type_list", "wait",
-    "fork", "import_ir_module", "import_ir_module_from_buffer", "merge_type_from_type_comment", "parse_ir",
-    "parse_schema", "parse_type_comment", "read_vitals", "set_vital", "vitals_enabled", "init_num_threads",
-    "as_strided", "alias_copy", "select", "narrow", "unbind", "chunk", "split_with_sizes", "tensor_split",
-    "unsqueeze", "squeeze", "transpose", "permute", "t", "view_as_real", "view_as_complex", "diagonal",
-    "movedim", "moveaxis", "swapaxes", "swapdims", "conj", "resolve_conj", "resolve_neg", "adjoint",
-    "hsplit", "vsplit", "dsplit", "dropout", "feature_dropout", "alpha_dropout", "relu", "layer_norm",
-    "batch_norm", "group_norm", "instance_norm", "embedding", "conv1d", "conv2d", "conv3d",
-    # Kept by reference in objects that get pickled (torchmetrics' and Lightning's ``dist_reduce_fx=torch.sum``):
-    # a wrapper installed after such an object was built would make pickle refuse it. Their Tensor methods
-    # (``t.sum()``) are followed.
-    "sum", "mean", "max", "min", "prod", "std", "var", "amax", "amin", "argmax", "argmin", "logsumexp",
-    "median", "nansum", "nanmean", "all", "any", "cumsum", "cumprod",
-))
-
-
 def method_names(tensor_type: Any, skip: frozenset[str] | set[str]) -> list[str]:
     """The public, non in-place Tensor methods to wrap (the ones returning a new tensor)."""
     names = []
@@ -113,19 +100,13 @@ def method_names(tensor_type: Any, skip: frozenset[str] | set[str]) -> list[str]
 
 
 def function_names(torch: Any, skip: frozenset[str] | set[str]) -> list[str]:
-    """The public ``torch`` functions to wrap: torch's own operators and :data:`PY_FUNCTIONS`."""
-    variable = getattr(torch._C, "_VariableFunctions", None)
-    names = []
-    for name in dir(variable) if variable is not None else ():
-        if name.startswith("_") or name.endswith("_") or name in SKIP_FUNCTIONS or name in skip:
-            continue
-        if name.startswith(("is_", "get_", "set_")) or name.endswith(("_like", "_copy")):
-            continue
-        value = getattr(torch, name, None)
-        if value is not None and value is getattr(variable, name, None):
-            names.append(name)
-    names.extend(n for n in PY_FUNCTIONS if callable(getattr(torch, n, None)) and n not in skip)
-    return names
+    """The ``torch`` functions to wrap: :data:`PY_FUNCTIONS` and :data:`TABLE_MATH`.
+
+    Torch's other operators (``torch.lt``, ``torch.add``, ``torch.relu``...) are followed through their Tensor
+    methods and operators, not wrapped in the namespace: code keeps them in tables and compares them
+    (``op == torch.lt``), and each one wrapped was one more attribute a watch replaced.
+    """
+    return [n for n in PY_FUNCTIONS + TABLE_MATH if callable(getattr(torch, n, None)) and n not in skip]
 
 
 def _sources(args: tuple[Any, ...], kwargs: dict[str, Any], tensor_type: Any) -> list[Any]:
@@ -180,7 +161,7 @@ def install(probe: HostRegistry, patcher: Patcher, torch: Any, dispatch: Any, sk
         def fn(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True
             out = original(*args, **kwargs)
-            if traced and not is_compiling() and flags.active:
+            if not is_compiling() and traced and flags.active:  # nothing of torchperf's read while dynamo traces
                 try:
                     sources = _sources(args, kwargs, tensor_type)
                     if sources and any(probe.is_traced(s) for s in sources):

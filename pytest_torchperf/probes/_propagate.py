@@ -59,7 +59,7 @@ from ..frames import caller, kind_of
 from ..patching import wraps
 from ..stacks import TORCH, Frame
 from . import _follow
-from ._host import LEGACY, Birth, is_cpu_string
+from ._host import FACTORIES, LEGACY, Birth, is_cpu_string
 
 if TYPE_CHECKING:
     from ..patching import Patcher
@@ -158,7 +158,8 @@ def install(probe: HostRegistry, patcher: Patcher, torch: Any, dispatch: Any) ->
         def fn(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True
             out = original(*args, **kwargs)
-            if traced and args and not is_compiling() and flags.active:
+            # nothing of torchperf's read while dynamo traces
+            if not is_compiling() and traced and args and flags.active:
                 try:
                     if many:
                         first = args[0]
@@ -217,17 +218,29 @@ INITIALIZERS = (
 LegacyCall = tuple[str, tuple[str, ...], Optional[str]]
 
 
-def _legacy_call(node: ast.AST) -> Optional[LegacyCall]:
-    """The legacy constructor that ``node``'s chain starts at: ``<module>.<Legacy>(...)`` or ``<Legacy>(...)``."""
+def _legacy_call(node: ast.AST, helper: Optional[Callable[[str], Optional[LegacyCall]]] = None) -> Optional[LegacyCall]:
+    """The host constructor that ``node``'s chain starts at: a legacy constructor (``<module>.<Legacy>(...)``,
+    ``<Legacy>(...)``) or a host factory (``torch.arange(10)``, no ``device=``), through indexing
+    (``torch.arange(10).float()[idx]``: a result the registry lost, indexing is not followed); with
+    ``helper``, also a call of a function of the module (``make_weights()``) that returns one."""
     path: list[str] = []
     while True:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id in LEGACY:
                 return node.func.id, tuple(reversed(path)), None
+            if helper is not None and not node.args and not node.keywords:
+                found = helper(node.func.id)
+                if found is not None:
+                    return found[0], found[1] + tuple(reversed(path)), found[2]
             return None
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             func = node.func
             if isinstance(func.value, ast.Name) and func.attr in LEGACY:
+                return func.attr, tuple(reversed(path)), func.value.id
+            if (
+                isinstance(func.value, ast.Name) and func.attr in FACTORIES and "view" in path
+                and not any(k.arg == "device" for k in node.keywords)
+            ):
                 return func.attr, tuple(reversed(path)), func.value.id
             path.append(func.attr)
             node = func.value
@@ -337,6 +350,25 @@ def _function_body(code: CodeType, lineno: int) -> Optional[tuple[ast.AST, int]]
 LegacySite = tuple[str, tuple[str, ...], int, Optional[str]]
 
 
+def _helper_returns(filename: str, name: str) -> Optional[LegacyCall]:
+    """The host constructor a module-level function ``name`` of ``filename`` returns, when each of its
+    ``return`` statements returns one (``def weights(): return torch.Tensor([1, 2, 3])``)."""
+    lines = linecache.getlines(filename)
+    if not lines:
+        return None
+    try:
+        module = ast.parse("".join(lines))
+    except SyntaxError:
+        return None
+    for node in module.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name and not node.args.args:
+            returns = [n for n in ast.walk(node) if isinstance(n, ast.Return) and n.value is not None]
+            found = [_legacy_call(r.value) for r in returns]  # type: ignore[arg-type]
+            if found and all(f is not None for f in found):
+                return found[0]
+    return None
+
+
 def _resolves(frame: FrameType, constructor: str, through: Optional[str]) -> bool:
     """Whether ``through.constructor`` (or the bare ``constructor``) names torch's legacy constructor at ``frame``:
     ``Tensor(n)`` after ``from torch import Tensor``, ``th.FloatTensor(n)`` after ``import torch as th``."""
@@ -370,10 +402,14 @@ class LegacySites(_PerLine):
         if tree is None:
             return None
         names: list[str] = []
+
+        def helper(name: str) -> Optional[LegacyCall]:
+            return _helper_returns(code.co_filename, name)
+
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in self.calls:
                 receiver = node.func.value
-                found = _legacy_call(receiver)
+                found = _legacy_call(receiver, helper)
                 if found is not None:
                     filled = (node.func.attr,) if node.func.attr in INITIALIZERS else ()
                     return found[0], found[1] + filled, lineno, found[2]

@@ -33,9 +33,9 @@ import mmap
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .. import frameworks
 from ..clocks import perf_counter as _perf_counter
 from ..core import FLAGS
-from ..frameworks import lightning
 from ..patching import wraps
 from . import Probe
 
@@ -64,15 +64,10 @@ class Pass:
         self.start = start
         self.num_workers = num_workers
         self.every_batch = every_batch
-        stage = lightning.stage_label()
-        self.label, self.sanity = stage if stage is not None else (f"pass {number}", False)
-        trainer = lightning.current_trainer()
-        call = lightning.current_call()
-        #: Iterated by Lightning in the training stage of a fit (outside Lightning: judged by the loader's log).
-        self.training = bool(
-            stage is not None and not self.sanity and call is not None and call.kind == "fit"
-            and getattr(trainer, "training", False)
-        )
+        stage = frameworks.stage()
+        self.label, self.sanity = (stage.label, stage.sanity) if stage is not None else (f"pass {number}", False)
+        #: Iterated by a framework in the training stage of a fit (outside one: judged by the loader's log).
+        self.training = stage is not None and stage.training
         #: Seconds from the start of the pass to its first batch (None: no batch yet).
         self.first: Optional[float] = None
         self.last = 0.0

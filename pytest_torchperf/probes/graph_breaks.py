@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import core
+from .._guard import caller_frame
 from ..core import FLAGS
 from ..patching import wraps
 from ..stacks import Frame, Stack, capture
-from . import ModuleProbe
+from . import ModuleProbe, _compiled
 
 if TYPE_CHECKING:
     from ..patching import Patcher
@@ -48,6 +50,8 @@ class GraphBreak:
     hints: list[str] = field(default_factory=list)
     #: Outermost first: the frames above the compiled call, then the traced user frames down to the break.
     stack: Stack = ()
+    #: Found in code dynamo compiled before (before the first step, in an earlier test), run again in a step.
+    earlier: bool = False
 
 
 def parse_message(message: str) -> tuple[str, str, list[str]]:
@@ -106,6 +110,7 @@ class GraphBreaksProbe(ModuleProbe):
                             kind, explanation, hints = parse_message(str(getattr(exc, "msg", "") or reason))
                             kind = str(getattr(exc, "gb_type", "") or kind)
                             event = GraphBreak(kind, explanation, hints, _user_stack(exc, capture(2)))
+                            _compiled.remember(_root_code(args[0] if args else None), event)
                             core.notify("on_graph_break", event)
                     except Exception as err:  # noqa: BLE001 - never into dynamo or the user's code
                         probe.failed(err)
@@ -114,6 +119,75 @@ class GraphBreaksProbe(ModuleProbe):
             return log_graph_break
 
         patcher.wrap(translator, "log_graph_break", wrap)
+        self._attach_calls(patcher)
+
+    def _attach_calls(self, patcher: Patcher) -> None:
+        """Read what a compiled function called in a step runs: the breaks dynamo compiled into it earlier.
+
+        ``torch.compile``'s wrapper (``compile_wrapper`` in ``torch._dynamo.eval_frame``)
+        asks ``_callback_from_stance`` for its callback at every call, outside
+        any tracing: the wrapper here, in a step, reads the wrapped function
+        (``fn``) from its caller, once per function and watch, and sends
+        ``on_compiled_code_run(codes, breaks)``: the code objects of it dynamo
+        holds compiled code for, and the breaks in that code (see
+        :mod:`pytest_torchperf.probes._compiled`). Dynamo's callback is
+        returned unchanged.
+        """
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if not callable(getattr(eval_frame, "_callback_from_stance", None)):
+            return
+        flags = FLAGS
+        probe = self
+        done: set[int] = set()
+
+        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+            @wraps(original)
+            def _callback_from_stance(callback: Any) -> Any:
+                if flags.in_scope and not probe.disabled:
+                    try:
+                        caller = caller_frame()  # dynamo's compile_wrapper, past the engine's guard
+                        if caller.f_code.co_name == "compile_wrapper":
+                            fn = caller.f_locals.get("fn")
+                            if fn is not None and id(fn) not in done:
+                                done.add(id(fn))
+                                probe._compiled_call(fn)
+                    except Exception as err:  # noqa: BLE001 - never into dynamo or the user's code
+                        probe.failed(err)
+                return original(callback)
+
+            return _callback_from_stance
+
+        patcher.wrap(eval_frame, "_callback_from_stance", wrap)
+
+    def _compiled_call(self, fn: Any) -> None:
+        if not core.handlers("on_compiled_code_run"):
+            return
+        codes = [(code, namespace) for code, namespace in _compiled.codes_of(fn) if _compiled.compiled(code)]
+        if not codes:
+            return
+        breaks: list[GraphBreak] = []
+        for code, namespace in codes:
+            breaks.extend(_compiled.breaks_in(code, namespace, _earlier_break))
+        core.notify("on_compiled_code_run", [code for code, _namespace in codes], breaks)
+
+
+def _root_code(translator: Any) -> Any:
+    """The code object of the frame dynamo is compiling (a break in an inlined function: the outer frame)."""
+    root = getattr(getattr(translator, "output", None), "root_tx", None) or translator
+    return getattr(root, "f_code", None)
+
+
+def _earlier_break(reason: str, frame: Frame, code: Any) -> GraphBreak:
+    """A break read from dynamo's compiled code (``reason`` empty: dynamo's record of it is gone)."""
+    if reason:
+        kind, explanation, hints = parse_message(reason)
+    else:
+        kind = explanation = (
+            "a graph break compiled before this watch began (dynamo's reason is no longer kept: "
+            "TORCH_LOGS=graph_breaks prints it)"
+        )
+        hints = []
+    return GraphBreak(kind, explanation, hints, (frame,), earlier=True)
 
 
 PROBE = GraphBreaksProbe()

@@ -64,6 +64,15 @@ BUDGET = 0.005
 SPIKE = 4.0
 
 
+def _eval_frame_setter() -> Optional[Callable[[Any], Any]]:
+    """Dynamo's ``set_eval_frame`` (C), when dynamo is imported: None and the frame callback is off."""
+    import sys
+
+    eval_frame = sys.modules.get("torch._C._dynamo.eval_frame")
+    setter = getattr(eval_frame, "set_eval_frame", None)
+    return setter if callable(setter) else None
+
+
 def roots_of(outputs: Any) -> tuple[Any, ...]:
     """The graph nodes a backward pass over ``outputs`` (tensors or GradientEdges) starts from."""
     if not isinstance(outputs, (list, tuple)):
@@ -90,6 +99,8 @@ class GraphsProbe(Probe):
         #: is taken out mid-run (a handle dropped there left the global hook registered for good).
         self._forward_callbacks: list[Callable[[Any], None]] = []
         self._forward_hook: Any = None
+        #: Dynamo's compile start and end callbacks while the forward hook is registered (handler, start, end).
+        self._compile_callbacks: Any = None
         self.reset()
         #: The garbage collector's callback, one object for every watch of the process (see :meth:`_collected`).
         self._on_gc = self._collected
@@ -143,6 +154,7 @@ class GraphsProbe(Probe):
         patcher.callback(self.stop_tracing)  # undone first: anomaly mode back before the state is cleared
         flags = FLAGS
         probe = self
+        self._hide_from_compile(patcher)
         is_compiling = is_compiling_function()
         clock = perf_counter
         self._current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
@@ -223,22 +235,31 @@ class GraphsProbe(Probe):
         callbacks = self._forward_callbacks
         is_compiling = is_compiling_function()
 
+        set_eval_frame = _eval_frame_setter()
+
         def forward_hook(module: Any, args: Any, output: Any) -> None:
             if is_compiling():
                 return
             start = perf_counter()
             collected = probe.gc_wall
+            # Called by the module's ``_call_impl`` inside a compiled module's call (torch.compile(model)):
+            # dynamo's frame callback is on, and would compile the torch functions the checks call.
+            prior = set_eval_frame(None) if set_eval_frame is not None else None
             try:
                 for fn in list(callbacks):
                     fn(output)
             except Exception as exc:  # noqa: BLE001 - never into the user's code
                 probe.failed(exc)
+            finally:
+                if prior is not None and set_eval_frame is not None:
+                    set_eval_frame(prior)
             # Counted in the budget at the next sample (wall time: a CPU clock read costs ten times more, and
             # the sample bounds it by the CPU time that has passed).
             probe.forward_seconds += perf_counter() - start - (probe.gc_wall - collected)
 
         self.forward_cpu = thread_time()
         self._forward_hook = register_module_forward_hook(forward_hook)
+        self._follow_compiles()
 
     def disarm_forward(self, callback: Callable[[Any], None]) -> None:
         if callback in self._forward_callbacks:
@@ -251,6 +272,89 @@ class GraphsProbe(Probe):
         if hook is not None:
             hook.remove()
         self._forward_callbacks.clear()
+        self._unfollow_compiles()
+
+    # -- the forward hook, invisible to torch.compile --------------------------------------
+    # A global module forward hook present while dynamo traces a module makes dynamo trace ``_call_impl``
+    # and the hook (a graph break at torchperf's frame), and ``OptimizedModule.__call__`` warns about global
+    # hooks (an error under ``-W error``). So the hook leaves torch's dict of global hooks while dynamo
+    # compiles (its compile start and end callbacks) and comes back at once after, where it was;
+    # ``_has_any_global_hook`` does not count it. Dynamo installs no guard on the global hooks: the code
+    # compiled without it runs as it is with it back (tested: same graphs and compiles, watched or not).
+    def _hide_from_compile(self, patcher: Patcher) -> None:
+        try:
+            import torch.nn.modules.module as module_module
+        except ImportError:  # pragma: no cover
+            return
+        probe = self
+
+        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+            @wraps(original)
+            def _has_any_global_hook(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                hook = probe._forward_hook
+                if out and hook is not None:
+                    hooks = getattr(module_module, "_global_forward_hooks", {})
+                    if hook.id in hooks and len(hooks) == 1:
+                        # Ours is the only forward hook: the answer without it.
+                        hooks_ours = hooks.pop(hook.id)
+                        try:
+                            return original(*args, **kwargs)
+                        finally:
+                            hooks[hook.id] = hooks_ours
+                return out
+
+            return _has_any_global_hook
+
+        if callable(getattr(module_module, "_has_any_global_hook", None)):
+            patcher.wrap(module_module, "_has_any_global_hook", wrap)
+
+    def _follow_compiles(self) -> None:
+        """While the forward hook is registered, take it out of torch's global hooks during each compile."""
+        import sys
+
+        handler = getattr(sys.modules.get("torch._dynamo.callback"), "callback_handler", None)
+        if handler is None or self._compile_callbacks is not None:
+            return
+        hidden: list[Any] = []
+        probe = self
+
+        def start(_args: Any) -> None:
+            try:
+                import torch.nn.modules.module as module_module
+
+                hook = probe._forward_hook
+                hooks = module_module._global_forward_hooks
+                if hook is not None and hook.id in hooks:
+                    keys = list(hooks)
+                    after = keys[keys.index(hook.id) + 1 :]
+                    hidden.append((hooks, hook.id, hooks.pop(hook.id), after))
+            except Exception as exc:  # noqa: BLE001 - never into dynamo
+                probe.failed(exc)
+
+        def end(_args: Any) -> None:
+            while hidden:
+                hooks, key, fn, after = hidden.pop()
+                if probe._forward_hook is not None and probe._forward_hook.id == key:
+                    hooks[key] = fn
+                    for other in after:  # back where it was, before the hooks registered after it
+                        if other in hooks:
+                            hooks.move_to_end(other)
+
+        handler.register_start_callback(start)
+        handler.register_end_callback(end)
+        self._compile_callbacks = (handler, start, end)
+
+    def _unfollow_compiles(self) -> None:
+        callbacks, self._compile_callbacks = self._compile_callbacks, None
+        if callbacks is None:
+            return
+        handler, start, end = callbacks
+        for remove, callback in ((handler.remove_start_callback, start), (handler.remove_end_callback, end)):
+            try:
+                remove(callback)
+            except ValueError:  # cleared by torch._dynamo.reset()
+                pass
 
     def _collected(self, phase: str, info: dict[str, int]) -> None:
         """``gc.callbacks``' entry while a watch is on: the collections in the watch's thread, timed."""

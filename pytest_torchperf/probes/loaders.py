@@ -28,9 +28,8 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import core
+from .. import core, frameworks
 from ..core import FLAGS
-from ..frameworks import lightning
 from ..patching import wraps
 from ..stacks import Stack, capture
 from . import Probe, record_creation
@@ -144,12 +143,10 @@ class LoaderLog:
         rec._in_pass = 0
         if rec.first_iterated is None:
             rec.first_iterated = capture(3)
-        trainer = lightning.current_trainer()
-        call = lightning.current_call()
-        stage = lightning.stage_label()
+        stage = frameworks.stage()
         if stage is not None:
-            label, sanity = stage
-            if not sanity and call is not None and call.kind == "fit" and getattr(trainer, "training", False):
+            label = stage.label
+            if stage.training:
                 rec.lightning_training = True
         else:
             label = f"pass {rec.passes}"

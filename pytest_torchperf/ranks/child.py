@@ -31,9 +31,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .. import core, registry
+from .. import core, frameworks, registry
 from ..core import Run
-from ..frameworks import lightning
 from ..options import Options
 from ..stacks import TORCHPERF, USER, classify, display_path
 from ..watching import finish, start, stop
@@ -148,8 +147,9 @@ class RankSpec:
     directory: str
     launcher: str
     runs: list[dict[str, Any]] = field(default_factory=list)  # [{"depth": 0, "options": {...}}]
-    #: ``(kind, package)`` of the Lightning Trainer call the launch happened in, if any.
-    call: Optional[tuple[str, str]] = None
+    #: ``(framework, kind, package)`` of the framework call the launch happened in, if its ranks re-run it
+    #: (:func:`pytest_torchperf.frameworks.launch_spec`).
+    call: Optional[tuple[str, ...]] = None
 
     def to_env(self, mode: str) -> str:
         return json.dumps(
@@ -212,7 +212,7 @@ class ChildRuns:
         self.local_rank = local_rank
         self.runs: list[tuple[int, Run]] = []
         self._hidden: Any = None
-        self._call: Optional[lightning.ObservedCall] = None
+        self._call: Any = None
 
     def __enter__(self) -> ChildRuns:
         try:
@@ -226,30 +226,18 @@ class ChildRuns:
             pass
         return self
 
-    def observe_lightning(self, args: tuple) -> None:
-        """Observe the Lightning Trainer call a ``ddp_spawn`` launcher runs in this process (its trainer in
-        ``args``).
-        """
+    def observe_call(self, launchers: frameworks.Launchers, args: tuple[Any, ...]) -> None:
+        """Observe the framework call a launcher re-runs in this process (what it passed its function: ``args``)."""
         if self.spec.call is None or not self.runs:
             return
+        framework, kind, package = self.spec.call
         try:
-            kind, package = self.spec.call
-            trainer = args[0] if args else None
-            if trainer is None or not hasattr(trainer, "strategy"):
-                return
-            model = None
-            call_args = args[2] if len(args) > 2 and isinstance(args[2], (tuple, list)) else ()
-            for candidate in call_args:
-                if hasattr(candidate, "training_step"):
-                    model = candidate
-                    break
-            if model is None:
-                model = getattr(trainer, "lightning_module", None)
-            call = lightning.TrainerCall(kind, trainer, package, (model,), {})
-            self._call = lightning.ObservedCall(call, model, [run for _, run in self.runs])
-            self._call.__enter__()
+            observed = launchers.observe(kind, package, args, [run for _, run in self.runs])
+            if observed is not None:
+                observed.__enter__()
+                self._call = observed
         except Exception as exc:  # noqa: BLE001
-            core.probe_failed("lightning", exc)
+            core.probe_failed(framework, exc)
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
         error = error_of(exc)
@@ -286,15 +274,10 @@ class RankEntry:
     def __call__(self, index: int, *args: Any) -> Any:
         __tracebackhide__ = True
         with ChildRuns(self.spec, index) as runs:
-            if self.spec.call is not None and _is_lightning_launch(self.fn):
-                runs.observe_lightning(args)
+            launchers = frameworks.launchers(self.spec.call[0]) if self.spec.call else None
+            if launchers is not None and launchers.is_launch(self.fn):
+                runs.observe_call(launchers, args)
             return self.fn(index, *args)
 
     def __repr__(self) -> str:
         return f"<torchperf rank entry for {self.fn!r}>"
-
-
-def _is_lightning_launch(fn: Any) -> bool:
-    owner = getattr(fn, "__self__", None)
-    module = type(owner).__module__ if owner is not None else ""
-    return module.startswith(("pytorch_lightning.", "lightning.pytorch.")) and fn.__name__ == "_wrapping_function"

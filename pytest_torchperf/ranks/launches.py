@@ -45,10 +45,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import core
+from .. import core, frameworks
 from ..clocks import monotonic, sleep
 from ..core import Run
-from ..frameworks import lightning
 from ..patching import wraps
 from . import child
 from .child import ENV, RankEntry, RankSpec, report_path
@@ -82,8 +81,8 @@ class Launch:
 
     def spec(self) -> RankSpec:
         runs = [{"depth": depth, "options": run.options.to_dict()} for depth, run in sorted(self.runs.items())]
-        call = lightning.current_call()
-        return RankSpec(self.directory, self.launcher, runs, (call.kind, call.package) if call else None)
+        call = frameworks.launch_spec()
+        return RankSpec(self.directory, self.launcher, runs, tuple(call) if call else None)
 
 
 #: Run -> the launches it has to collect when it ends.
