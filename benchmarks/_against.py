@@ -17,10 +17,11 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Callable, Iterator
+from collections.abc import Iterator
+from typing import Any, Callable
 
 
-def checkout_env(root: "str | None", **extra: str) -> dict[str, str]:
+def checkout_env(root: str | None, **extra: str) -> dict[str, str]:
     """This process's environment for a process that imports the package from checkout ``root`` (None: this one)."""
     env = dict(os.environ, **extra)
     if root:
@@ -42,7 +43,7 @@ def serve(one_round: Callable[[], Any]) -> None:
 class Workers:
     """One worker per checkout (``labels[i]`` -> ``roots[i]``; a root of None: the checkout the script is in)."""
 
-    def __init__(self, script: str, args: list[str], roots: dict[str, "str | None"]) -> None:
+    def __init__(self, script: str, args: list[str], roots: dict[str, str | None]) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
         for label, root in roots.items():
             self.procs[label] = subprocess.Popen(

@@ -35,8 +35,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from types import FrameType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 WORKLOADS = ("op-bound-sgd", "op-bound-adam", "op-bound-residual")
 VARIANTS = ("F", "S", "B", "C")
@@ -59,7 +60,7 @@ class Counter:
             self.counts[f"{os.path.basename(code.co_filename)}:{name}"] += 1
         return self._trace
 
-    def count(self, steps: Iterator[None], n: int) -> "collections.Counter[str]":
+    def count(self, steps: Iterator[None], n: int) -> collections.Counter[str]:
         self.counts = collections.Counter()
         sys.settrace(self._trace)
         try:
@@ -70,7 +71,7 @@ class Counter:
         return self.counts
 
 
-def measure(workloads: "list[str]", steps: int, warm: int, invariants: Any) -> "dict[str, dict[str, dict[str, int]]]":
+def measure(workloads: list[str], steps: int, warm: int, invariants: Any) -> dict[str, dict[str, dict[str, int]]]:
     """``{workload: {variant: {function: bytecodes over the counted steps}}}``, ``A`` the unwatched step."""
     import bench_step_checks as bench
     import torch
@@ -92,12 +93,12 @@ def measure(workloads: "list[str]", steps: int, warm: int, invariants: Any) -> "
         def marked(run: Any) -> Iterator[None]:
             while True:
                 with run.step():
-                    step()
+                    step()  # noqa: B023 - called in this iteration
                 yield
 
         def unmarked() -> Iterator[None]:
             while True:
-                step()
+                step()  # noqa: B023 - called in this iteration
                 yield
 
         def counted(steps_: Iterator[None]) -> dict[str, int]:
@@ -124,12 +125,12 @@ def measure(workloads: "list[str]", steps: int, warm: int, invariants: Any) -> "
     return out
 
 
-def added(per: "dict[str, dict[str, int]]", variant: str, steps: int) -> float:
+def added(per: dict[str, dict[str, int]], variant: str, steps: int) -> float:
     """The bytecodes ``variant`` adds to a step of the unwatched ``A``."""
     return (sum(per[variant].values()) - sum(per["A"].values())) / steps
 
 
-def show(label: str, counts: "dict[str, dict[str, dict[str, int]]]", steps: int, by_function: bool) -> None:
+def show(label: str, counts: dict[str, dict[str, dict[str, int]]], steps: int, by_function: bool) -> None:
     names = [v for v in (*VARIANTS, "I") if any(v in per for per in counts.values())]
     print(f"{label}: the bytecodes each variant adds to a step")
     print(f"  {'workload':<20}{'A':>8}" + "".join(f"{v:>8}" for v in names))

@@ -38,7 +38,8 @@ import argparse
 import contextlib
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Iterator
+from typing import Any, Callable
 
 QUIET = {"no_host_sync": False, "on_device": False, "no_data_parallel": False}
 

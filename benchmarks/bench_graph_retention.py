@@ -102,7 +102,10 @@ def main() -> int:
 
     torch.set_num_threads(1)
     workloads = list(BUDGETS) if args.workload == "all" else [args.workload]
-    print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds (+1 warm-up) x {args.reps} interleaved blocks per variant")
+    print(
+        f"torch {torch.__version__}, 1 thread, {args.rounds} rounds (+1 warm-up) x {args.reps} interleaved blocks per "
+        "variant"
+    )
     print()
     header = (
         f"{'workload':<15} {'A us':>8} {'R us':>8} {'D us':>8} {'DR us':>8} "
@@ -118,7 +121,7 @@ def main() -> int:
         ratios = result["ratios"]
 
         def fmt(name: str) -> str:
-            lo, mid, hi = ratios[name]  # type: ignore[index]
+            lo, mid, hi = ratios[name]  # type: ignore[index]  # noqa: B023 - called in this iteration
             return f"{mid:.3f} [{lo:.3f}-{hi:.3f}]"
 
         budget = BUDGETS[kind]

@@ -105,7 +105,7 @@ def _inner(args: argparse.Namespace) -> int:
             gc.collect()
             gc.disable()
             try:
-                counted(f"{kind} {name[0]}", lambda: [next(steps) for _ in range(args.steps)])
+                counted(f"{kind} {name[0]}", lambda: [next(steps) for _ in range(args.steps)])  # noqa: B023 - called in this iteration
             finally:
                 gc.enable()
             return 0.0
@@ -116,13 +116,13 @@ def _inner(args: argparse.Namespace) -> int:
             # (built anew every step once that graph is gone): 7-30 k instructions a step that only
             # the watched variants paid.
             while True:
-                step()
+                step()  # noqa: B023 - called in this iteration
                 yield
 
         def watched_steps(run):  # type: ignore[no-untyped-def]
             while True:
                 with run.step():
-                    step()
+                    step()  # noqa: B023 - called in this iteration
                 yield
 
         variants = steps_bench.variants_for(None, floor)(block, plain_steps, watched_steps)
@@ -159,7 +159,7 @@ def _inner(args: argparse.Namespace) -> int:
 
 # -- the driver ----------------------------------------------------------------------------------------------
 
-def count(root: "str | None", args: argparse.Namespace, helper: str, folder: str) -> dict[str, list[int]]:
+def count(root: str | None, args: argparse.Namespace, helper: str, folder: str) -> dict[str, list[int]]:
     """Run the counted process on checkout ``root`` (None: this one); ``{label: [instructions per block]}``."""
     out = os.path.join(folder, "cg.%p")
     from _against import checkout_env

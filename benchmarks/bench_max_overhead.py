@@ -61,7 +61,9 @@ ONLY_OVERHEAD = {name: False for name in Options().enabled_checks}
 def make_loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
     n = BATCH * BATCHES
-    return DataLoader(TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)), batch_size=BATCH)
+    return DataLoader(
+        TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)), batch_size=BATCH
+    )
 
 
 EXTRA = torch.randn(128, 128)
@@ -204,7 +206,8 @@ def run(args: argparse.Namespace) -> None:
 
     log(
         f"workload: {WIDTH}x4 MLP, batch {BATCH}, {BATCHES} batches x {EPOCHS} epochs, torch threads {args.threads}, "
-        f"{args.noise} CPU hogs beside it, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPUs"
+        f"{args.noise} CPU hogs beside it, "
+        f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPUs"
     )
     plain_fit(root)  # warm the process up
     plain = [plain_fit(root) for _ in range(args.plain)]
@@ -236,7 +239,10 @@ def run(args: argparse.Namespace) -> None:
             f"slowed {s['overhead']:+6.1%} {s['verdict']:12} ({s['rounds']} rounds, wait {s['cpu_wait'] or 0:.0%})"
         )
     runs = clean + slowed + calibration
-    added = {name: [(r["total_s"] - r["fit_s"]) / r["fit_s"] for r in rs] for name, rs in (("clean", clean), ("slowed", slowed))}
+    added = {
+        name: [(r["total_s"] - r["fit_s"]) / r["fit_s"] for r in rs]
+        for name, rs in (("clean", clean), ("slowed", slowed))
+    }
     whole = [(r["total_s"] - one_fit) / one_fit for r in clean]
     loaded = [r["loaded"] for r in runs]
     log("")
@@ -263,7 +269,10 @@ def run(args: argparse.Namespace) -> None:
         f"slowed median {statistics.median(r['overhead'] for r in slowed):+.1%} "
         f"[{min(r['overhead'] for r in slowed):+.1%}, {max(r['overhead'] for r in slowed):+.1%}]"
     )
-    log(f"rounds: median {statistics.median(r['rounds'] for r in clean + slowed)}, max {max(r['rounds'] for r in clean + slowed)}")
+    log(
+        f"rounds: median {statistics.median(r['rounds'] for r in clean + slowed)}, max "
+        f"{max(r['rounds'] for r in clean + slowed)}"
+    )
     log(f"runs timed on a visibly loaded machine: {rate(loaded)}")
     if args.json:
         with open(args.json, "w") as f:

@@ -139,7 +139,8 @@ def wait_line(rows: list[dict[str, Any]]) -> str:
 
 def verdict_line(row: dict[str, Any]) -> str:
     return (
-        f"| {row['case']} | {row['threshold']:.1%} | {row['condition']} | {row['passed']}/{row['failed']}/{row['inconclusive']} "
+        f"| {row['case']} | {row['threshold']:.1%} | {row['condition']} | "
+        f"{row['passed']}/{row['failed']}/{row['inconclusive']} "
         f"| {row['overhead_median']:+.1%} ({row['overhead_min']:+.1%}..{row['overhead_max']:+.1%}) "
         f"| {row['rounds_median']:g} | {row['check_s_median']:.1f} s |"
     )
@@ -150,7 +151,10 @@ def target(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         if row["case"].startswith("(c)"):
             ok = not (row["passed"] and row["failed"])
-            out.append(f"{row['case']} {row['condition']}: {'never both a pass and a fail' if ok else 'BOTH a pass and a fail'}")
+            out.append(
+                f"{row['case']} {row['condition']}: "
+                f"{'never both a pass and a fail' if ok else 'BOTH a pass and a fail'}"
+            )
         else:
             same = max(row["passed"], row["failed"], row["inconclusive"])
             out.append(f"{row['case']} {row['condition']}: same verdict in {same}/{row['runs']} runs")
@@ -230,7 +234,10 @@ def main() -> None:
             rows.append(summarize(name, threshold, label, per_case[name]))
 
     log("")
-    log("| case | threshold | condition | passed/failed/inconclusive | overhead median (range) | rounds (median) | check time (median) |")
+    log(
+        "| case | threshold | condition | passed/failed/inconclusive | overhead median (range) | rounds (median) | "
+        "check time (median) |"
+    )
     log("|---|---|---|---|---|---|---|")
     for row in rows:
         log(verdict_line(row))

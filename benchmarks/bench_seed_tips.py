@@ -54,7 +54,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     fit = build(args.workers)
 
-    def timed(options: "dict | None") -> float:
+    def timed(options: dict | None) -> float:
         start = time.perf_counter()
         if options is None:
             fit()

@@ -254,19 +254,25 @@ def chosen_invariants(spec: str) -> dict[str, Any]:
 
 
 class _FloorStep:
-    """Variant F's ``with`` block: a Python ``__enter__`` and ``__exit__``, and the three reads of ``no_debug_modes``."""
+    """Variant F's ``with`` block: a Python ``__enter__`` and ``__exit__``, and the three reads of
+    ``no_debug_modes``.
+    """
 
     __slots__ = ("reads",)
 
     def __init__(self) -> None:
         import torch
 
-        self.reads = (torch.is_anomaly_enabled, torch._C._autograd._profiler_enabled, torch._C._get_deterministic_algorithms)
+        self.reads = (
+            torch.is_anomaly_enabled,
+            torch._C._autograd._profiler_enabled,
+            torch._C._get_deterministic_algorithms,
+        )
 
-    def step(self) -> "_FloorStep":
+    def step(self) -> _FloorStep:
         return self
 
-    def __enter__(self) -> "_FloorStep":
+    def __enter__(self) -> _FloorStep:
         for read in self.reads:
             if read():
                 pass
@@ -377,7 +383,8 @@ def main() -> int:
     parser.add_argument("--workload", choices=("all", "op-bound", *BUDGETS), default="all")
     parser.add_argument(
         "--invariants",
-        help="variant I: exactly these invariants (name or name=value, comma-separated; 'defaults' for the default ones)",
+        help="variant I: exactly these invariants (name or name=value, comma-separated; 'defaults' for the default "
+             "ones)",
     )
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall", help="time steps in wall or thread CPU time")
     parser.add_argument(
@@ -461,7 +468,9 @@ def _worker(
     runners = {}
     for kind in workloads:
         step, n = build(kind)
-        runners[kind] = round_runner(step, steps or n, reps, variants_for(invariants, floor), CLOCKS[clock], STATS[stat])
+        runners[kind] = round_runner(
+            step, steps or n, reps, variants_for(invariants, floor), CLOCKS[clock], STATS[stat]
+        )
     counter = [0]
 
     def one_round() -> dict[str, Any]:

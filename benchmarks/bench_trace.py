@@ -28,10 +28,10 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from pytest_torchperf.baseline import observe
+from pytest_torchperf.glue.baseline import observe
+from pytest_torchperf.glue.trace import StepTrace
 from pytest_torchperf.options import parse_options
-from pytest_torchperf.trace import StepTrace
-from pytest_torchperf.watch import watching
+from pytest_torchperf.watching import watching
 
 try:
     import pytorch_lightning as pl
@@ -132,7 +132,7 @@ def main() -> None:
             base = statistics.median(times["watched"])
 
             def added(variant: str) -> str:
-                diffs = sorted((t - w) * 1000 for t, w in zip(times[variant], times["watched"]))
+                diffs = sorted((t - w) * 1000 for t, w in zip(times[variant], times["watched"]))  # noqa: B023 - called in this iteration
                 q = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3
                 return f"+{statistics.median(diffs):.0f} ms (IQR {q[0]:.0f}..{q[2]:.0f})"
 

@@ -125,7 +125,7 @@ class GcTally:
         self.counts, self.seconds, self.on = [0, 0, 0], 0.0, True
 
 
-def round_runner(fit, clock: "Callable[[], float]" = time.perf_counter) -> "Callable[[int], dict[str, float]]":
+def round_runner(fit, clock: Callable[[], float] = time.perf_counter) -> Callable[[int], dict[str, float]]:
     """``one_round(r)``: every variant once, in an order rotated by ``r``; seconds per variant, and for each
     ``gc_s:<variant>`` (seconds collecting garbage), ``gc_n:<variant>`` (collections) and ``gc_full:<variant>``
     (full collections) during it."""
@@ -176,7 +176,7 @@ def round_runner(fit, clock: "Callable[[], float]" = time.perf_counter) -> "Call
     return one_round
 
 
-def series_runner(fit, k: int, clock: "Callable[[], float]" = time.perf_counter) -> "Callable[[int], dict[str, float]]":
+def series_runner(fit, k: int, clock: Callable[[], float] = time.perf_counter) -> Callable[[int], dict[str, float]]:
     """``--series K``: ``one_round(r)`` runs ``k`` one-epoch fits unwatched (``SA``) and ``k`` watched (``SB``),
     in an order alternating by round; the seconds of each block, and its garbage collector's work.
 
@@ -301,7 +301,7 @@ def main() -> None:
               f"threads={args.threads}, {args.rounds} rounds (+1 warm-up), {args.clock} clock, "
               f"torch {torch.__version__}")
 
-    def runner() -> "Callable[[int], dict[str, float]]":
+    def runner() -> Callable[[int], dict[str, float]]:
         if args.series:
             return series_runner(fit, args.series, CLOCKS[args.clock])
         return round_runner(fit, CLOCKS[args.clock])

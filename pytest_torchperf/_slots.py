@@ -175,12 +175,12 @@ def table_bytes(tp: type) -> bytes:
 
 
 #: The guard of each class some patcher has patched a dunder on (shared: one snapshot per class).
-_GUARDS: dict[type, "SlotGuard"] = {}
+_GUARDS: dict[type, SlotGuard] = {}
 #: Guards released since, by class (weakly): one whose snapshot is still true serves the next patch.
-_RELEASED: "weakref.WeakKeyDictionary[type, SlotGuard]" = weakref.WeakKeyDictionary()
+_RELEASED: weakref.WeakKeyDictionary[type, SlotGuard] = weakref.WeakKeyDictionary()
 
 
-def live_guards() -> list["SlotGuard"]:
+def live_guards() -> list[SlotGuard]:
     """The guards of the classes patched now."""
     return list(_GUARDS.values())
 
@@ -194,7 +194,7 @@ class SlotGuard:
     """
 
     @classmethod
-    def acquire(cls, tp: type) -> "SlotGuard":
+    def acquire(cls, tp: type) -> SlotGuard:
         guard = _GUARDS.get(tp)
         if guard is None:
             guard = _RELEASED.pop(tp, None)

@@ -38,7 +38,7 @@ class Transparent(functools.partial):  # type: ignore[type-arg,unused-ignore]
     #: The function first wrapped (the same for every holder stacked over it).
     _root: Any
 
-    def __new__(cls, wrapper: Any, original: Any) -> "Transparent":
+    def __new__(cls, wrapper: Any, original: Any) -> Transparent:
         self = super().__new__(cls, wrapper)
         self._root = root_of(original)
         self.__dict__["__wrapped__"] = original
@@ -63,8 +63,8 @@ class Transparent(functools.partial):  # type: ignore[type-arg,unused-ignore]
         # pickled as the function itself (``copy.copy`` of a function is the function): loads as torch's own
         return copy.copy, (self._root,)
 
-    def __copy__(self) -> "Transparent":
+    def __copy__(self) -> Transparent:
         return self
 
-    def __deepcopy__(self, memo: Any) -> "Transparent":
+    def __deepcopy__(self, memo: Any) -> Transparent:
         return self

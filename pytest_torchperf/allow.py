@@ -93,7 +93,7 @@ class AllowList:
         return self.match_frames(frame)
 
 
-def function_names(frame: Optional[FrameType], wanted: "set[str] | frozenset[str]") -> frozenset[str]:
+def function_names(frame: Optional[FrameType], wanted: set[str] | frozenset[str]) -> frozenset[str]:
     """Every function of the stack whose bare name is in ``wanted``, as qualified-name suffixes.
 
     ``wanted`` holds the function names allow-lists end with (:attr:`AllowList.function_names`);
@@ -123,7 +123,7 @@ def function_names(frame: Optional[FrameType], wanted: "set[str] | frozenset[str
 def _qualname_matches(frame: FrameType, parts: tuple[str, ...]) -> bool:
     qualname = getattr(frame.f_code, "co_qualname", None)  # Python 3.11+
     if qualname is not None:
-        return ("." + qualname.replace(".<locals>", "")).endswith("." + ".".join(parts))
+        return bool(("." + qualname.replace(".<locals>", "")).endswith("." + ".".join(parts)))
     # Python < 3.11: a method's class from its ``self`` (or ``cls``) argument.
     if len(parts) != 2:
         return False

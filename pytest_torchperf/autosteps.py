@@ -104,7 +104,7 @@ class AutoSteps:
         self.marked_by = ""
 
 
-def arm(run: "Run") -> None:
+def arm(run: Run) -> None:
     """Arm ``run`` for automatic steps (a run with scope ``training_step`` whose steps are not marked yet)."""
     if getattr(run, "scope", None) != "training_step" or getattr(run, "_auto", None) is not None:
         return
@@ -116,7 +116,7 @@ def arm(run: "Run") -> None:
     _follow_backward(ARMED)
 
 
-def _follow_backward(armed: "_Armed") -> None:
+def _follow_backward(armed: _Armed) -> None:
     """The backward wrapper in while some armed run looks at backward passes, out once none does.
 
     It is taken out only when it is the attribute's top layer (nothing put over it since), so a wrapper
@@ -129,7 +129,7 @@ def _follow_backward(armed: "_Armed") -> None:
         armed.wrapped = None
 
 
-def _unhook(armed: "_Armed") -> None:
+def _unhook(armed: _Armed) -> None:
     """Remove the post-hook once no run is armed, unless torch is calling the post-hooks now."""
     if armed.count or armed.handle is None:
         return
@@ -160,7 +160,7 @@ def _marker() -> str:
     return "marked with run.step()"
 
 
-def found(run: "Run") -> str:
+def found(run: Run) -> str:
     """How the run's steps were found: ``"found at optimizer.step()"``, ``"found at backward()"``, who marked
     them (``"marked by Lightning's training_step"``, ``"marked with run.step()"``) or ``""``."""
     auto: Optional[AutoSteps] = getattr(run, "_auto", None)
@@ -171,7 +171,7 @@ def found(run: "Run") -> str:
     return AT_OPTIMIZER if auto.mode == "optimizer" else AT_BACKWARD
 
 
-def _disarm(run: "Run", auto: AutoSteps, why: str) -> None:
+def _disarm(run: Run, auto: AutoSteps, why: str) -> None:
     if auto.disarmed_by:
         return
     auto.disarmed_by = why
@@ -188,7 +188,7 @@ def _disarm(run: "Run", auto: AutoSteps, why: str) -> None:
         run.step_ended()
 
 
-def close(run: "Run") -> None:
+def close(run: Run) -> None:
     """The run stops: end its open automatic step (its checks see the step's end) and disarm it."""
     auto: Optional[AutoSteps] = getattr(run, "_auto", None)
     if auto is None or auto.disarmed_by:
@@ -204,13 +204,13 @@ def close(run: "Run") -> None:
         run.step_ended()
 
 
-def _marked_elsewhere(run: "Run", auto: AutoSteps) -> bool:
+def _marked_elsewhere(run: Run, auto: AutoSteps) -> bool:
     """Someone else counts steps in this run: a step is open that is not ours, or one was counted."""
     depth = run._step_depth - (1 if auto.open else 0)
     return depth > 0 or run.steps != auto.own
 
 
-def _begin(run: "Run", auto: AutoSteps) -> None:
+def _begin(run: Run, auto: AutoSteps) -> None:
     if auto.open:
         run.next_step()
     else:
@@ -221,7 +221,7 @@ def _begin(run: "Run", auto: AutoSteps) -> None:
     auto.own = run.steps
 
 
-def backward(run: "Run", auto: AutoSteps) -> None:
+def backward(run: Run, auto: AutoSteps) -> None:
     """A backward pass (not one the autograd engine started itself) in an armed run."""
     if auto.mode == "optimizer":
         return
@@ -234,7 +234,7 @@ def backward(run: "Run", auto: AutoSteps) -> None:
     _begin(run, auto)
 
 
-def optimizer_step(run: "Run", auto: AutoSteps, optimizer: Any) -> None:
+def optimizer_step(run: Run, auto: AutoSteps, optimizer: Any) -> None:
     """An optimizer stepped in an armed run."""
     if _marked_elsewhere(run, auto):
         _disarm(run, auto, _MARKED)
@@ -261,7 +261,7 @@ def optimizer_step(run: "Run", auto: AutoSteps, optimizer: Any) -> None:
     _follow_backward(ARMED)
 
 
-def _armed_runs() -> list[tuple["Run", AutoSteps]]:
+def _armed_runs() -> list[tuple[Run, AutoSteps]]:
     out = []
     for run in core.active_runs():
         auto = getattr(run, "_auto", None)
@@ -270,7 +270,7 @@ def _armed_runs() -> list[tuple["Run", AutoSteps]]:
     return out
 
 
-def install(patcher: "Patcher") -> None:
+def install(patcher: Patcher) -> None:
     """Hook optimizer steps and backward passes for armed runs (when torch is imported; undone by ``patcher``)."""
     patcher.callback(_reset)
     patcher.on_import("torch.autograd", lambda module: _install(patcher))
@@ -286,7 +286,7 @@ def _reset() -> None:
         handle.remove()
 
 
-def _install(patcher: "Patcher") -> None:
+def _install(patcher: Patcher) -> None:
     try:
         import torch
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
 
 from .report import NOT_CHECKED, CheckResult, Report
 
@@ -179,20 +180,20 @@ class _Flags:
         #: Some active run's step checks apply right now (see :attr:`Run.in_scope`).
         self.in_scope = False
         #: Called with the new ``in_scope`` value whenever it changes (probes add and remove their own).
-        self.listeners: "list[Callable[[bool], None]]" = []
+        self.listeners: list[Callable[[bool], None]] = []
 
 
 FLAGS = _Flags()
 
-_ACTIVE: list["Run"] = []
+_ACTIVE: list[Run] = []
 
 
-def active_runs() -> list["Run"]:
+def active_runs() -> list[Run]:
     """The runs currently watching, outermost first (probes dispatch to all of them). Do not modify."""
     return _ACTIVE
 
 
-def runs_in_scope() -> list["Run"]:
+def runs_in_scope() -> list[Run]:
     """The active runs whose step checks apply right now."""
     return [run for run in _ACTIVE if run.in_scope]
 
@@ -223,7 +224,7 @@ def notify(event: str, *args: Any, in_scope: bool = False) -> None:
                     run.check_failed(name, exc)
 
 
-#: Set by :mod:`pytest_torchperf.watch`: removes a failed probe (and the probes that need it).
+#: Set by :mod:`pytest_torchperf.watching`: removes a failed probe (and the probes that need it).
 _probe_remover: list[Callable[[str], None]] = []
 
 
@@ -246,7 +247,7 @@ def probe_failed(probe: str, exc: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def suspended() -> Iterator[list["Run"]]:
+def suspended() -> Iterator[list[Run]]:
     """Hide the active runs from the probes inside the block; yields the runs hidden.
 
     For torchperf's own work while a run is still active (the ``max_overhead``
@@ -296,7 +297,7 @@ class Check:
     #: The invariant's name; set from its declaration when the registry builds the check.
     name: str = ""
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.run = run
 
     @property
@@ -312,7 +313,7 @@ class Check:
     def settings(self, value: Any) -> None:  # a check of today's API may keep its own ``settings``
         self.__dict__["_settings"] = value
 
-    def step_polls(self) -> "tuple[tuple[Callable[[], object], Callable[[], None]], ...]":
+    def step_polls(self) -> tuple[tuple[Callable[[], object], Callable[[], None]], ...]:
         """State read at the start of every training step: ``(read, hit)`` pairs, asked once, when the run starts.
 
         The run calls each ``read()`` as a step begins and ``hit()`` when it returned true. For a
@@ -449,7 +450,7 @@ class Run:
         self.internal_errors.setdefault(f"check {name}", f"{type(exc).__name__}: {exc}")
 
     # -- steps and batches ----------------------------------------------------------------
-    def step(self) -> "_Step":
+    def step(self) -> _Step:
         """Mark one training step of a plain PyTorch loop: ``with run.step(): ...``."""
         return self._step_block
 

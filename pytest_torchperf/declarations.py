@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-from typing import Any, Callable, Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Union
 
 from .arguments import UsageError, suggest
 from .core import EVENTS, Events
@@ -54,7 +55,7 @@ def event_parameters(declared: EventDeclaration) -> tuple[str, ...]:
     return tuple(p.strip() for p in found.group(1).split(",") if p.strip())
 
 
-def _events(extra: "Union[Mapping[str, EventDeclaration], Iterable[str]]") -> dict[str, tuple[str, ...]]:
+def _events(extra: Union[Mapping[str, EventDeclaration], Iterable[str]]) -> dict[str, tuple[str, ...]]:
     """Every known event -> the arguments its handlers receive: :class:`~pytest_torchperf.core.Events`, then
     the events a probe declares (a name alone, from an older probe, receives what a call passes: not checked)."""
     known: dict[str, Any] = {name: event_parameters(getattr(Events, name)) for name in EVENTS}
@@ -66,7 +67,7 @@ def _events(extra: "Union[Mapping[str, EventDeclaration], Iterable[str]]") -> di
 
 
 def verify_handlers(
-    cls: type, where: str, extra_events: "Union[Mapping[str, EventDeclaration], Iterable[str]]" = ()
+    cls: type, where: str, extra_events: Union[Mapping[str, EventDeclaration], Iterable[str]] = ()
 ) -> None:
     """Refuse a check class whose ``on_*`` method is no event, or does not take what its event sends.
 

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from types import CodeType, FunctionType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["skip_own_frames"]
 

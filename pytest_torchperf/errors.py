@@ -6,7 +6,7 @@ argument kinds (:mod:`pytest_torchperf.arguments` re-exports both).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["UsageError", "suggest"]
 

@@ -1,9 +1,13 @@
 """The plug-in API: everything a third-party invariant, check or probe uses, from one module.
 
-A plug-in package imports only from here::
+This is the front door for plug-in authors (users import from
+:mod:`pytest_torchperf`). A plug-in package imports only from here::
 
     from pytest_torchperf.extend import Check, CheckResult, Invariant, Status
 
+- registration: :func:`register`, :func:`unregister` and
+  :data:`ENTRY_POINT_GROUP` (the entry-point group a package declares its
+  invariants in);
 - declarations: :class:`Invariant` (name, value, settings, probes, check), the
   argument kinds (:class:`Flag`, :class:`Integer`, :class:`Number`,
   :class:`Fraction`, :class:`Choice`, :class:`SiteList`) and :class:`Argument`;
@@ -26,6 +30,12 @@ always be spelt ``<invariant>__<setting>`` in the marker
 (``no_host_to_device_in_forward__max_forward_copies=1``); the plain name works
 too unless two plug-ins declare it (then the plain name is refused, naming
 both spellings), and a built-in setting's plain name stays the built-in's.
+
+Six names are also in :mod:`pytest_torchperf`, the users' front door:
+:class:`Run`, :class:`CheckResult`, :class:`Finding`, :class:`Site`,
+:class:`Status` and :class:`UsageError` are the seam between the two (a check
+reads a run and builds the results a user reads; both raise or catch a usage
+error). Every other name lives in one front door only.
 
 Nothing here imports torch.
 """

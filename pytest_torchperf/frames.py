@@ -84,7 +84,7 @@ def locate(frame: Optional[FrameType]) -> Located:
 
 #: Library functions that were running when a run's first automatic step began: they drive the training loop
 #: (a library's ``Trainer.run()``), and their own events stay theirs. Set by :mod:`.autosteps`.
-DRIVERS: "set[CodeType]" = set()
+DRIVERS: set[CodeType] = set()
 
 
 def note_drivers(frame: Optional[FrameType]) -> None:

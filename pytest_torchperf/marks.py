@@ -24,7 +24,7 @@ class step:
     def __init__(self) -> None:
         self._blocks: list[Any] = []
 
-    def __enter__(self) -> "step":
+    def __enter__(self) -> step:
         for run in core.active_runs():
             if run.active:
                 block = run.step()

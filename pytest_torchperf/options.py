@@ -8,7 +8,8 @@ for a misspelt name, the closest valid one. Nothing here imports torch.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from . import registry
 from .arguments import UsageError, suggest
@@ -68,7 +69,7 @@ class Options:
         """Every argument and its value, in the marker's order."""
         return dict(vars(self))
 
-    def replace(self, **changes: Any) -> "Options":
+    def replace(self, **changes: Any) -> Options:
         """A copy with ``changes`` applied (not validated: use :func:`parse_options` for user input)."""
         return Options(**{**vars(self), **changes})
 

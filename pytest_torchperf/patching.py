@@ -16,8 +16,9 @@ import importlib.abc
 import sys
 import types
 import weakref
+from collections.abc import Hashable, Iterator
 from types import ModuleType
-from typing import Any, Callable, Hashable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from . import _guard, _slots
 
@@ -262,7 +263,7 @@ class Patcher:
         #: The scope of the :meth:`reusing` block open now.
         self._reuse: Optional[Hashable] = None
 
-    def setattr(self, owner: Any, name: str, value: Any) -> "Patch":
+    def setattr(self, owner: Any, name: str, value: Any) -> Patch:
         """Set ``owner.name = value``, remembering how to put the old state back; returns the patch (for
         :meth:`take_back`).
 
@@ -282,7 +283,7 @@ class Patcher:
         self._undo.append(entry)
         return entry
 
-    def take_back(self, patch: "Patch") -> bool:
+    def take_back(self, patch: Patch) -> bool:
         """Undo one patch of this patcher's now, when nothing was put over it since (no later layer, the
         attribute still holds it); returns whether it was undone. Its place is free: a later patch of the
         same attribute goes on top of whatever is there then."""
@@ -327,7 +328,7 @@ class Patcher:
         self._adopting.add(owner)
         own = vars(owner).get("__init_subclass__")
 
-        def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        def __init_subclass__(cls: type, /, **kwargs: Any) -> None:
             if isinstance(own, classmethod):
                 own.__get__(None, cls)(**kwargs)
             else:
@@ -339,7 +340,7 @@ class Patcher:
 
         self.setattr(owner, "__init_subclass__", classmethod(__init_subclass__))
 
-    def wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> "Patch":
+    def wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> Patch:
         """Replace ``owner.name`` by ``make(original)`` (inside :meth:`reusing`: the wrapper kept from the last
         time, when ``owner.name`` is still the very object it wrapped).
 

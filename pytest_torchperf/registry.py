@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from . import figures as _figures
 from .arguments import Argument, ArgumentKind, Choice, Flag, UsageError, suggest
@@ -78,7 +79,7 @@ class Invariant:
     - ``name``: the marker argument that turns it on (``no_host_sync``).
     - ``doc``: one line, shown in the README table and ``pytest --markers``.
     - ``check``: called as ``check(run)`` for every run that checks it; returns an object
-      with ``result() -> CheckResult`` and event methods (see :class:`pytest_torchperf.Check`).
+      with ``result() -> CheckResult`` and event methods (see :class:`pytest_torchperf.extend.Check`).
     - ``kind`` / ``default``: its own value. A :class:`~pytest_torchperf.arguments.Flag`
       invariant is on when ``True``; any other kind is on when not ``None``.
     - ``arguments``: settings that tune it (``allowed_syncs``...), each validated likewise.
@@ -134,7 +135,7 @@ class _Registry:
                 _add(found, invariant, source)
             self._invariants = found
         out = dict(self._invariants)
-        for name, invariant in self._extra.items():
+        for invariant in self._extra.values():
             _add(out, invariant, "register()")
         return out
 
@@ -207,7 +208,7 @@ class _Registry:
 def _validate(invariant: Any, source: str) -> None:
     if not isinstance(invariant, Invariant):
         raise UsageError(
-            f"pytest-torchperf: {source} provides {invariant!r}, not a pytest_torchperf.Invariant"
+            f"pytest-torchperf: {source} provides {invariant!r}, not a pytest_torchperf.extend.Invariant"
         )
     names = [invariant.name] + [a.name for a in invariant.arguments]
     for name in names:
@@ -327,7 +328,7 @@ def make_checks(run: Any) -> dict[str, Any]:
 
 
 #: Check classes made by factories whose handlers were verified (see :func:`~.declarations.verify_handlers`).
-_VERIFIED: "set[type]" = set()
+_VERIFIED: set[type] = set()
 
 
 def _probe_events(invariant: Invariant) -> dict[str, Any]:

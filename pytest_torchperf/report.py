@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import unittest
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 from .stacks import Frame, Stack, format_stack, site_of
 from .status import Status

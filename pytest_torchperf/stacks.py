@@ -13,9 +13,10 @@ import os
 import site
 import sys
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Union
 
 from .frameworks import PACKAGES as _ADAPTED
 
@@ -47,7 +48,7 @@ USER = "user"
 #: Packages whose frames are a training framework's own code, not the user's: every adapter's ``PACKAGES``.
 #: (torchmetrics is a library the user calls from their own step: its syncs there are judged at the user's
 #: calling line, so no adapter claims it.)
-FRAMEWORK_PACKAGES: "tuple[str, ...]" = _ADAPTED
+FRAMEWORK_PACKAGES: tuple[str, ...] = _ADAPTED
 _PYTEST_PACKAGES = ("_pytest", "pytest", "pluggy", "xdist", "execnet")
 _TORCH_PACKAGES = ("torch", "functorch")
 #: Every package the classifier places by its import location.
@@ -77,7 +78,7 @@ class Frame:
 
 
 #: Outermost frame first, innermost (the event) last.
-Stack = Tuple[Frame, ...]
+Stack = tuple[Frame, ...]
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ _SITE_NAMES = ("site-packages", "dist-packages")
 _SCRIPT_DIRS = ("bin", "Scripts")
 
 
-def _is_launcher(path: str, script_dirs: "frozenset[str]") -> bool:
+def _is_launcher(path: str, script_dirs: frozenset[str]) -> bool:
     """``path`` is a console script: in an environment's scripts directory (a venv's ``bin/``, the
     interpreter's own), that is, a directory named ``bin`` whose parent holds ``pyvenv.cfg``."""
     directory = os.path.dirname(path)
@@ -217,7 +218,9 @@ class _Classifier:
         except AttributeError:  # pragma: no cover
             pass
         # Any other site directory on the path (a tox or nox environment, a --target install).
-        site_dirs.update(p for p in sys.path if isinstance(p, str) and os.path.basename(p.rstrip(os.sep)) in _SITE_NAMES)
+        site_dirs.update(
+            p for p in sys.path if isinstance(p, str) and os.path.basename(p.rstrip(os.sep)) in _SITE_NAMES
+        )
         for d in site_dirs:
             if d:
                 prefixes.append((os.path.realpath(d) + os.sep, LIBRARY))

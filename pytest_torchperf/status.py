@@ -23,7 +23,7 @@ class Status(str, enum.Enum):
         return format(str(self.value), spec)
 
     @classmethod
-    def of(cls, value: str) -> "Status":
+    def of(cls, value: str) -> Status:
         """The member of ``value`` (a member or its string); ValueError naming the statuses otherwise."""
         try:
             return cls(value)

@@ -7,7 +7,7 @@ It uses the Python that runs it as it is: that interpreter must already have a C
 pytest; Lightning for the examples and ``max_overhead``). Nothing is installed or downloaded. The plugin is
 loaded from this working tree, installed or not: a metadata stub on ``PYTHONPATH`` declares its pytest
 entry point, so every pytest process (the suite's ``pytester`` runs and subprocesses included) loads it as
-if installed (``-p pytest_torchperf.plugin`` would reach the outer session only, and collides with an
+if installed (``-p pytest_torchperf.glue.plugin`` would reach the outer session only, and collides with an
 installed copy).
 
 What it runs, each part in its own process with a time limit, all within ``--budget`` seconds:
@@ -194,7 +194,7 @@ def make_stub(where: Path) -> Path:
     """A ``site`` folder whose metadata declares the plugin's entry points (the package itself stays in the tree)."""
     site = where / "site"
     version = re.search(r'__version__\s*=\s*"([^"]+)"', (ROOT / "pytest_torchperf" / "_version.py").read_text())
-    entry_points = "[pytest11]\ntorchperf = pytest_torchperf.plugin\n"
+    entry_points = "[pytest11]\ntorchperf = pytest_torchperf.glue.plugin\n"
     _dist_info(site, "pytest-torchperf", version.group(1) if version else "0", entry_points)
     return site
 

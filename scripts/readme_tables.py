@@ -28,7 +28,8 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pytest_torchperf import core, figures, registry, results, settings  # noqa: E402
+from pytest_torchperf import core, figures, registry  # noqa: E402
+from pytest_torchperf.glue import results, settings  # noqa: E402
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -124,7 +125,7 @@ class _Recorder:
         self.options: list[tuple[tuple[str, ...], dict[str, Any]]] = []
         self.ini: dict[str, dict[str, Any]] = {}
 
-    def getgroup(self, *args: Any, **kwargs: Any) -> "_Recorder":
+    def getgroup(self, *args: Any, **kwargs: Any) -> _Recorder:
         return self
 
     def addoption(self, *names: str, **kwargs: Any) -> None:
@@ -169,7 +170,7 @@ def events_page() -> str:
         GENERATED,
         "",
         "A check receives each event as a method of the event's name (`def on_step_end(self): ...`); the "
-        "built-in probes send these (`pytest_torchperf.EVENTS`). Events are dispatched only to the checks "
+        "built-in probes send these (`pytest_torchperf.extend.EVENTS`). Events are dispatched only to the checks "
         "that define the method, and only while their run is active.",
         "",
         "| event | arguments: when it is sent |",

@@ -54,7 +54,7 @@ def main() -> int:
     assert any(str(f).endswith("LICENSE") for f in dist.files or []), "no LICENSE in the distribution"
     assert os.path.exists(os.path.join(here, "py.typed")), "no py.typed"
     entry = [e for e in dist.entry_points if e.group == "pytest11"]
-    assert [e.value for e in entry] == ["pytest_torchperf.plugin"], entry
+    assert [e.value for e in entry] == ["pytest_torchperf.glue.plugin"], entry
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, "test_smoke.py"), "w") as fh:
             fh.write(SUITE)
@@ -69,7 +69,10 @@ def main() -> int:
     outcomes = {t["nodeid"]: t["outcome"] for t in doc["tests"]}
     assert outcomes == {"test_smoke.py::test_buggy": "failed", "test_smoke.py::test_fixed": "passed"}, outcomes
     assert doc["environment"]["pytest_torchperf"] == dist.version
-    print(f"smoke test ({kind}): pytest-torchperf {dist.version} works: the buggy test failed with its report, the fixed one did not")
+    print(
+        f"smoke test ({kind}): pytest-torchperf {dist.version} works: the buggy test failed with its report, the fixed "
+        "one did not"
+    )
     return 0
 
 

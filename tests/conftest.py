@@ -8,8 +8,8 @@ loader/trainer factories, so each test file only holds the test under test.
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

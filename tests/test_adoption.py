@@ -329,7 +329,9 @@ def test_trace_marks_a_lightning_training_step(user_models: pytest.Pytester) -> 
     result.assert_outcomes(failed=1)
     (path,) = (user_models.path / "traces").iterdir()
     events = json.loads(path.read_text())["traceEvents"]
-    ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("torchperf ") and e["ph"] == "X"]
+    ranges = [
+        e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("torchperf ") and e["ph"] == "X"
+    ]
     assert len(ranges) == 4  # training_step in each of the 4 recorded steps
     assert {r["name"] for r in ranges} == {"torchperf no_host_sync: `float(tensor)` at test_fit.py:7 in training_step"}
 

@@ -346,7 +346,7 @@ def test_under_report_only_fail_warns_and_under_w_error_the_warning_fails_the_te
     pytester.makepyfile(test_trains=TRAINS)
     reported = pytester.runpytest("--torchperf-not-checked=fail", "--torchperf-report-only", "-p", "no:cacheprovider")
     reported.assert_outcomes(passed=1, warnings=1)
-    strict = pytester.runpytest("-W", "error::pytest_torchperf.unchecked.NotCheckedWarning", "-p", "no:cacheprovider")
+    strict = pytester.runpytest("-W", "error::pytest_torchperf.NotCheckedWarning", "-p", "no:cacheprovider")
     strict.assert_outcomes(failed=1)
     strict.stdout.fnmatch_lines(["*NotCheckedWarning: torchperf: test_trains.py::test_trains: on_device not checked*"])
     strict.stdout.no_fnmatch_line("*INTERNALERROR*")

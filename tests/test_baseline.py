@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pytest_torchperf import stacks
-from pytest_torchperf.baseline import (
+from pytest_torchperf.glue.baseline import (
     SCHEMA,
     Baseline,
     BaselineError,
@@ -184,12 +184,15 @@ def test_the_file_is_sorted_has_no_timestamp_and_round_trips(model: Path, tmp_pa
     [
         (None, "no baseline file at *missing.json (write one with --torchperf-baseline-update)"),
         ("{not json", "cannot read the baseline file *"),
-        ('{"tests": {}}', '* is not a pytest-torchperf baseline*'),
+        ('{"tests": {}}', "* is not a pytest-torchperf baseline*"),
         (json.dumps({"schema": SCHEMA, "schema_version": 99, "tests": {}}), "*schema_version 99*refresh it*"),
-        (json.dumps({"schema": SCHEMA, "schema_version": 1, "tests": {"t": [{"line": 3}]}}), "*a malformed entry of t*"),
+        (
+            json.dumps({"schema": SCHEMA, "schema_version": 1, "tests": {"t": [{"line": 3}]}}),
+            "*a malformed entry of t*",
+        ),
     ],
 )
-def test_an_unreadable_file_is_an_error_naming_it(tmp_path: Path, content: "str | None", message: str) -> None:
+def test_an_unreadable_file_is_an_error_naming_it(tmp_path: Path, content: str | None, message: str) -> None:
     path = tmp_path / "missing.json"
     if content is not None:
         path.write_text(content)

@@ -102,7 +102,9 @@ def test_budget_figures_reach_the_json_report(pytester: pytest.Pytester) -> None
     )
     result = pytester.runpytest("--torchperf-json=out.json", "-v")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*no_host_sync: passed (3 syncs in your code, at most 1 in a step: within max_syncs_per_step=1)*"])
+    result.stdout.fnmatch_lines(
+        ["*no_host_sync: passed (3 syncs in your code, at most 1 in a step: within max_syncs_per_step=1)*"]
+    )
     doc = json.loads((pytester.path / "out.json").read_text())
     figures = doc["tests"][0]["checks"]["no_host_sync"]["figures"]
     assert figures["worst_step_syncs"] == 1 and figures["max_syncs_per_step"] == 1

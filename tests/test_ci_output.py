@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+import pytest_torchperf
 from pytest_torchperf import registry
 
 SUITE = """
@@ -43,12 +45,12 @@ SUITE = """
 SYNC_LINE = 11  # `value = loss.item()` in SUITE
 
 ACME = """
-from pytest_torchperf import Check, CheckResult, Invariant, PASSED
+from pytest_torchperf.extend import Check, CheckResult, Invariant, Status
 
 
 class Nothing(Check):
     def result(self):
-        return CheckResult("acme_nothing", PASSED, "nothing to see", 0, [], {})
+        return CheckResult("acme_nothing", Status.PASSED, "nothing to see", 0, [], {})
 
 
 INVARIANT = Invariant(name="acme_nothing", doc="checks nothing", check=Nothing, default=False)
@@ -81,18 +83,22 @@ def test_the_header_counts_built_in_and_third_party_invariants_and_names_the_bas
     ])
 
 
+#: The package under test (ahead of an installed copy in the subprocess).
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(pytest_torchperf.__file__)))
+
+
 def test_the_header_is_computed_without_importing_an_invariant_module(pytester: pytest.Pytester) -> None:
     site = _acme_site(pytester)
     code = textwrap.dedent(
         """
         import sys
-        from pytest_torchperf import ci
+        from pytest_torchperf.glue import ci
         print(ci.header_line(ci.entry_point_names(), baseline_path="b.json"))
         print(sorted(m for m in sys.modules if m.startswith(("pytest_torchperf.invariants", "acme_nothing", "torch"))))
         """
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={"PYTHONPATH": site, "PATH": ""})
+                          env={"PYTHONPATH": os.pathsep.join((site, _CHECKOUT)), "PATH": ""})
     assert done.stdout.splitlines() == [
         f"torchperf 0.1.0: {len(registry.BUILTIN)} invariants (+1 from acme-torchperf); baseline b.json", "[]"
     ], done.stderr

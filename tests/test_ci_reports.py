@@ -8,8 +8,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from pytest_torchperf.glue.results import SCHEMA_VERSION
 from pytest_torchperf.report import FAILED, CheckResult, Finding, Report, Site
-from pytest_torchperf.results import SCHEMA_VERSION
 
 SUITE = """
     import pytest
@@ -94,7 +94,12 @@ def test_xdist_gives_the_serial_verdicts_one_summary_and_the_same_json_report(us
     env = doc["environment"]
     assert env["torch"].startswith("2.") and env["pytest_torchperf"] and env["python"]
     assert env["cuda_available"] in (True, False) and env["device"]
-    assert doc["summary"] == {"tests": 5, "failed": 3, "checks_failed": {"no_iterator_reset": 3}, "checks_inconclusive": {}}
+    assert doc["summary"] == {
+        "tests": 5,
+        "failed": 3,
+        "checks_failed": {"no_iterator_reset": 3},
+        "checks_inconclusive": {},
+    }
     by_id = {t["nodeid"]: t for t in doc["tests"]}
     respawn = by_id["test_suite.py::test_marker_respawns"]
     assert respawn["outcome"] == "failed" and respawn["report_only"] is False
@@ -298,7 +303,10 @@ def _report_with(findings: int, sites: int) -> Report:
         FAILED,
         f"{findings} findings",
         findings,
-        [Finding(f"finding {i}", [], [Site(f"site {j}", stack) for j in range(sites)], "hint") for i in range(findings)],
+        [
+            Finding(f"finding {i}", [], [Site(f"site {j}", stack) for j in range(sites)], "hint")
+            for i in range(findings)
+        ],
     )
     return Report(checks={"no_iterator_reset": check})
 
@@ -315,7 +323,7 @@ def test_default_output_is_capped_and_verbose_shows_everything() -> None:
 
 
 def test_a_figure_named_like_the_process_merge_is_an_ordinary_junit_property() -> None:
-    from pytest_torchperf.results import junit_properties
+    from pytest_torchperf.glue.results import junit_properties
 
     # no_oversubscription counts "ranks"; the per-process merge lives in "processes", never in the figures.
     alone = CheckResult("no_oversubscription", "passed", "ok", 0, [], {"ranks": 1, "workers": 2}).to_dict()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -254,7 +255,7 @@ def test_a_ragged_last_batch_recompiles_a_lightning_fit_and_drop_last_passes(use
 
 
 def test_each_break_is_a_baseline_observation_keyed_by_its_site() -> None:
-    from pytest_torchperf.baseline import observe
+    from pytest_torchperf.glue.baseline import observe
 
     model = torch.nn.Linear(8, 1)
 

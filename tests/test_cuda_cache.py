@@ -86,7 +86,7 @@ def test_a_call_after_training_is_a_note_and_one_after_every_batch_fails() -> No
 def test_once_per_epoch_is_a_note_and_every_step_fails_with_the_rate_setting() -> None:
     def per_epoch(run) -> None:
         model = torch.nn.Linear(8, 1)
-        for epoch in range(3):
+        for _epoch in range(3):
             for i, (x, y) in enumerate(loader()):
                 with run.step():
                     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -95,7 +95,9 @@ def test_once_per_epoch_is_a_note_and_every_step_fails_with_the_rate_setting() -
 
     check = report_of(per_epoch, no_empty_cache=True)["no_empty_cache"]
     assert check.status == PASSED, check.summary
-    assert check.findings[0].title == "note: torch.cuda.empty_cache() called by your code: once per epoch: 3 of 15 steps"
+    assert (
+        check.findings[0].title == "note: torch.cuda.empty_cache() called by your code: once per epoch: 3 of 15 steps"
+    )
     check = report_of(per_epoch, no_empty_cache=True, max_empty_cache_rate=0)["no_empty_cache"]
     assert check.status == FAILED and check.count == 3
 

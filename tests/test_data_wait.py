@@ -69,7 +69,7 @@ def slow_collate(samples: list[Any]) -> Any:
 
 def train(run: Any, loader: DataLoader, step_s: float, epochs: int = 2) -> None:
     for _ in range(epochs):
-        for x, y in loader:
+        for _x, _y in loader:
             with run.step():
                 time.sleep(step_s)
 

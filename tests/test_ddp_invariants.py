@@ -71,7 +71,10 @@ def test_a_search_that_never_finds_an_unused_parameter_fails(group: None) -> Non
     assert check.summary == "find_unused_parameters=True, but all 4 parameters got a gradient in all 3 iterations"
     (finding,) = check.findings
     assert finding.sites[0].label == "DDP built with find_unused_parameters=True"
-    assert finding.sites[0].frame.source == "report = fit(lambda: DDP(Net(), find_unused_parameters=True), no_unused_parameters_search=True)"
+    assert (
+        finding.sites[0].frame.source
+        == "report = fit(lambda: DDP(Net(), find_unused_parameters=True), no_unused_parameters_search=True)"
+    )
     assert "drop find_unused_parameters=True" in finding.hint
     assert check.figures["modules"][0]["unused_parameters"] == []
 
@@ -105,7 +108,9 @@ def test_accumulation_that_all_reduces_every_micro_batch_fails(group: None) -> N
     assert check.figures["micro_batches"] == 12 and check.figures["gradient_bytes_per_round"] == (8 * 8 + 8 + 8 + 1) * 4
     (finding,) = check.findings
     assert finding.sites[0].frame.source == "model(batches[s * accumulate + m]).pow(2).mean().backward()"
-    assert finding.hint.startswith("run the forward and backward of every micro-batch but the last under `with model.no_sync():`")
+    assert finding.hint.startswith(
+        "run the forward and backward of every micro-batch but the last under `with model.no_sync():`"
+    )
 
 
 def test_accumulation_under_no_sync_and_plain_steps_pass(group: None) -> None:
@@ -114,7 +119,10 @@ def test_accumulation_under_no_sync_and_plain_steps_pass(group: None) -> None:
     assert check.summary == "at most 1 all-reduce per optimizer step over 3 steps (4 micro-batches each)"
     assert check.figures["all_reduce_rounds"] == 3
     plain = fit(lambda: DDP(Net()), no_sync_accumulation=True)["no_sync_accumulation"]
-    assert (plain.status, plain.summary) == (PASSED, "at most 1 all-reduce per optimizer step over 3 steps (1 micro-batch each)")
+    assert (plain.status, plain.summary) == (
+        PASSED,
+        "at most 1 all-reduce per optimizer step over 3 steps (1 micro-batch each)",
+    )
 
 
 def test_forwards_without_gradients_are_no_micro_batches(group: None) -> None:
@@ -185,5 +193,8 @@ def test_on_cuda_with_nccl_the_checks_see_the_same_and_add_no_sync(tmp_path: Any
         torch.cuda.set_sync_debug_mode("default")
         dist.destroy_process_group()
     assert len(watched) == len(unwatched), (watched, unwatched)  # the device-side fold adds no sync
-    assert report["no_sync_accumulation"].summary == "8 all-reduce rounds for 4 optimizer steps, up to 2 per step: 4 not needed"
+    assert (
+        report["no_sync_accumulation"].summary
+        == "8 all-reduce rounds for 4 optimizer steps, up to 2 per step: 4 not needed"
+    )
     assert report["no_unused_parameters_search"].status == FAILED

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_torchperf import Check, CheckResult, Invariant, register, unregister, watch
+from pytest_torchperf import watch
 from pytest_torchperf.core import FLAGS, active_runs
 from pytest_torchperf.engine import ENGINE
-from pytest_torchperf.extend import Probe, Status
-from pytest_torchperf.watch import installed_probes
+from pytest_torchperf.extend import Check, CheckResult, Invariant, Probe, Status, register, unregister
+from pytest_torchperf.watching import installed_probes
 
 #: torch's own, read before any watch of this module.
 ITEM = vars(torch._C.TensorBase)["item"]
@@ -88,7 +88,7 @@ def test_an_interrupt_while_a_probe_installs_undoes_the_whole_start() -> None:
 FAILED_START = """
     import pytest
     import torch
-    from pytest_torchperf import Check, Invariant, register
+    from pytest_torchperf.extend import Check, Invariant, register
 
     ITEM = vars(torch._C.TensorBase)["item"]
 

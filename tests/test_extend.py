@@ -87,7 +87,7 @@ def test_status_is_a_string_enum_written_as_its_value() -> None:
     assert Status.FAILED == "failed" and Status("not checked") is Status.NOT_CHECKED
     assert json.dumps({"s": Status.INCONCLUSIVE}) == '{"s": "inconclusive"}'
     assert f"{Status.PASSED}" == "passed" and str(Status.NOT_CHECKED) == "not checked"
-    from pytest_torchperf import FAILED, NOT_CHECKED, PASSED
+    from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED
 
     assert (PASSED, FAILED, NOT_CHECKED) == ("passed", "failed", "not checked")
     result = CheckResult("x", Status.FAILED, "s")  # a plug-in's member is kept as the plain string

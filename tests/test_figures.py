@@ -66,7 +66,7 @@ def test_the_figures_schema_is_generated_from_the_declared_types() -> None:
 
 
 def test_the_baseline_compares_a_figure_the_counting_invariants_declare() -> None:
-    from pytest_torchperf.baseline import COUNTED_FIGURE
+    from pytest_torchperf.glue.baseline import COUNTED_FIGURE
 
     for name in ("max_ops_per_step", "max_collectives_per_step"):
         assert COUNTED_FIGURE in figures.names(registry.get(name).figures)

@@ -338,7 +338,7 @@ def test_importing_the_plugin_imports_no_framework() -> None:
     import sys
 
     code = (
-        "import sys, pytest_torchperf, pytest_torchperf.plugin, pytest_torchperf.frameworks, "
+        "import sys, pytest_torchperf, pytest_torchperf.glue.plugin, pytest_torchperf.frameworks, "
         "pytest_torchperf.frameworks.transformers, pytest_torchperf.frameworks.ignite\n"
         "print(sorted(m for m in ('transformers', 'accelerate', 'ignite', 'torch') if m in sys.modules))"
     )

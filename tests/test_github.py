@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from pytest_torchperf.baseline import Observation
-from pytest_torchperf.github import (
+from pytest_torchperf.glue.baseline import Observation
+from pytest_torchperf.glue.github import (
     ERROR,
     WARNING,
     annotations,
@@ -71,5 +71,6 @@ def test_paths_fall_back_to_the_rootdir_and_the_test_itself(tmp_path) -> None:
     ]
     (only,) = annotations(found, rootdir=root, workspace=None)
     assert only.text() == (
-        "::error file=test_x.py,line=5,title=torchperf max_overhead::+40%25 over the plain loop [test: test_x.py::test_x]"
+        "::error file=test_x.py,line=5,title=torchperf max_overhead::+40%25 over the plain loop [test: "
+        "test_x.py::test_x]"
     )

@@ -23,7 +23,9 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
-@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="nvidia-smi is present here: the refusal is for machines without it")
+@pytest.mark.skipif(
+    shutil.which("nvidia-smi") is not None, reason="nvidia-smi is present here: the refusal is for machines without it"
+)
 def test_without_a_gpu_it_says_so_and_exits_2_before_anything_else(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--out", str(out)], capture_output=True,
@@ -34,8 +36,13 @@ def test_without_a_gpu_it_says_so_and_exits_2_before_anything_else(tmp_path: Pat
 
 
 def test_an_unknown_part_is_refused_with_the_parts_there_are(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--out", str(tmp_path), "--parts", "corpus,tset"],
-                          capture_output=True, text=True, timeout=60, env=_env())
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "gpu_check.py"), "--out", str(tmp_path), "--parts", "corpus,tset"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
     assert done.returncode == 2
     assert "--parts: unknown tset; choose from info, corpus, invariants, tests, examples, crosschecks" in done.stderr
 
@@ -68,7 +75,9 @@ def test_the_selection_keeps_the_tests_that_skip_for_want_of_cuda(
     )
     monkeypatch.syspath_prepend(str(SCRIPTS))
     result = pytester.runpytest("-p", "cuda_gated", "--cuda-gated", "--collect-only", "-q")
-    result.stdout.fnmatch_lines(["test_mixed.py::test_on_cuda", "test_mixed.py::test_gpu_tip", "*2/4 tests collected (2 deselected)*"])
+    result.stdout.fnmatch_lines(
+        ["test_mixed.py::test_on_cuda", "test_mixed.py::test_gpu_tip", "*2/4 tests collected (2 deselected)*"]
+    )
     result.stdout.no_fnmatch_line("*test_cpu_only*")
     assert "test_plain" not in result.stdout.str()
 
@@ -92,11 +101,17 @@ def test_the_metadata_stub_declares_the_plugin_from_the_working_tree(tmp_path: P
     path, points = done.stdout.splitlines()
     # Found before any installed copy: the stub, or the tree's own metadata where an editable install left it.
     assert Path(path).parent in (stub, ROOT)
-    assert points == "['pytest_torchperf.plugin']"
+    assert points == "['pytest_torchperf.glue.plugin']"
 
 
 def _record(where: str, label: str = "`.item()`", status: str = "failed", confirmed: bool = False) -> dict:
-    site = {"where": where, "label": label, "count": 6, "finding": "", "confirmed": ["confirmed 6x"] if confirmed else []}
+    site = {
+        "where": where,
+        "label": label,
+        "count": 6,
+        "finding": "",
+        "confirmed": ["confirmed 6x"] if confirmed else [],
+    }
     return {"checks": {"no_host_sync": {"status": status, "summary": "", "sites": [site]},
                        "pin_memory": {"status": "not checked", "summary": "", "sites": []}}}
 
@@ -131,8 +146,14 @@ def test_the_cpu_dry_run_writes_the_summary_with_the_cuda_columns_saying_no_cuda
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = (tmp_path / "summary.md").read_text()
     item, built = gpu_corpus.BY_NAME["item"].line, gpu_corpus.BY_NAME["host_built_to"].line
-    assert f"| `item` (no_host_sync) | :{item} | no_host_sync failed: `.item()` ×6 | no CUDA | no CUDA | — / — |" in summary
-    assert f"| `host_built_to` (on_device) | :{built} | on_device failed: torch.randn then .to(...) ×6 | no CUDA |" in summary
+    assert (
+        f"| `item` (no_host_sync) | :{item} | no_host_sync failed: `.item()` ×6 | no CUDA | no CUDA | — / — |"
+        in summary
+    )
+    assert (
+        f"| `host_built_to` (on_device) | :{built} | on_device failed: torch.randn then .to(...) ×6 | no CUDA |"
+        in summary
+    )
     assert "| `clean` (clean) | :0 | passed | no CUDA | no CUDA | — / — |" in summary
     assert "| `float_of`" not in summary  # only the patterns asked for
     assert "| no_empty_cache | buggy | cpu | failed | failed | yes |" in summary

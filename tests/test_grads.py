@@ -31,7 +31,8 @@ def test_lightning_optimizer_zero_grad_override_fails_at_its_line(user_models: p
             "*torchperf: 1 invariant broken: grads_set_to_none (8 zero_grad(set_to_none=False))",
             "*torchperf: grads_set_to_none*",
             "zero_grad(set_to_none=False) called 8 times",
-            "  gradients were reused (zeroed in place, not freed) in * of 8 optimizer steps, up to 2 parameters per step",
+            "  gradients were reused (zeroed in place, not freed) in * of 8 optimizer steps, up to 2 parameters per "
+            "step",
             "  SGD.zero_grad(set_to_none=False) (8x) at test_fit.py:6 in optimizer_zero_grad [[]your code[]]",
             "      optimizer.zero_grad(set_to_none=False)",
             "*",
@@ -81,9 +82,9 @@ def test_manual_zeroing_is_caught_at_its_line(zero, source: str) -> None:
 
 
 def test_module_zero_grad_keeping_the_tensors_is_caught() -> None:
-    check = report_of(lambda run: train(run, torch.nn.Linear(8, 1), loader(), zero=_module_zero_grad), grads_set_to_none=True)[
-        "grads_set_to_none"
-    ]
+    check = report_of(
+        lambda run: train(run, torch.nn.Linear(8, 1), loader(), zero=_module_zero_grad), grads_set_to_none=True
+    )["grads_set_to_none"]
     assert check.status == FAILED
     assert check.findings[0].sites[0].label == "Linear.zero_grad(set_to_none=False)"
     assert check.figures["grads_zeroed_in_place"] == 0  # zero_grad's own zeroing is not counted twice
@@ -95,9 +96,9 @@ def test_zeroing_no_probe_sees_is_caught_by_the_reused_gradients() -> None:
             if p.grad is not None:
                 p.grad.mul_(0)
 
-    check = report_of(lambda run: train(run, torch.nn.Linear(8, 1), loader(), zero=scale_to_zero), grads_set_to_none=True)[
-        "grads_set_to_none"
-    ]
+    check = report_of(
+        lambda run: train(run, torch.nn.Linear(8, 1), loader(), zero=scale_to_zero), grads_set_to_none=True
+    )["grads_set_to_none"]
     assert check.status == FAILED
     assert check.summary == "gradients reused in 9 optimizer steps"
     (finding,) = check.findings
@@ -146,7 +147,9 @@ def test_compiled_code_calling_zero_is_not_recompiled_by_the_probe() -> None:
 
     try:
         reset(torch.ones(4))  # compiled outside any run
-        report = report_of(lambda run: [reset(torch.ones(4)) for _ in range(3)], grads_set_to_none=True, no_recompiles=True)
+        report = report_of(
+            lambda run: [reset(torch.ones(4)) for _ in range(3)], grads_set_to_none=True, no_recompiles=True
+        )
         assert report["no_recompiles"].figures["recompiles"] == 0
         # No optimizer step in the run: nothing to judge, and no probe error either.
         assert report["grads_set_to_none"].status == NOT_CHECKED

@@ -20,7 +20,8 @@ import torch
 from seed_tips_models import QUIET, trainer
 from step_check_helpers import write_module
 
-from pytest_torchperf import Check, Invariant, InvariantViolation, UsageError, register, unregister, watch
+from pytest_torchperf import InvariantViolation, UsageError, watch
+from pytest_torchperf.extend import Check, Invariant, register, unregister
 from pytest_torchperf.probes.graphs import PROBE as GRAPHS
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, CheckResult
 
@@ -261,7 +262,8 @@ def test_growth_counts_graph_nodes_and_the_saved_activations_a_leak_keeps(loops:
 
 
 @pytest.mark.parametrize(
-    "pattern", ["detached", "item", "metric", "truncated_bptt", "retain_graph_within_a_step", "accumulated_before_backward"]
+    "pattern",
+    ["detached", "item", "metric", "truncated_bptt", "retain_graph_within_a_step", "accumulated_before_backward"],
 )
 def test_what_keeps_values_not_graphs_passes(loops: tuple[Any, dict[str, int]], pattern: str) -> None:
     module, _ = loops
@@ -590,9 +592,15 @@ def fit(tmp_path: Path, model: Any, epochs: int = 2) -> CheckResult:
     [
         ("LossList", "LossList.losses: list of 11 tensors with autograd graphs, one per step (steps 1-11)"),
         ("RunningTotal", "RunningTotal.total: one graph spanning 11 steps (steps 1-11)"),
-        ("AuxiliaryOutput", "AuxiliaryOutput.aux_outputs: list of 11 tensors with autograd graphs, one per step (steps 1-11)"),
+        (
+            "AuxiliaryOutput",
+            "AuxiliaryOutput.aux_outputs: list of 11 tensors with autograd graphs, one per step (steps 1-11)",
+        ),
         # the list is cleared at each epoch's end, so the fit's end finds it empty: the scan on the way saw it
-        ("EpochOutputs", "EpochOutputs.training_step_outputs: list of 3 tensors with autograd graphs, one per step (steps 1-3)"),
+        (
+            "EpochOutputs",
+            "EpochOutputs.training_step_outputs: list of 3 tensors with autograd graphs, one per step (steps 1-3)",
+        ),
     ],
 )
 @pytest.mark.slow
@@ -696,7 +704,8 @@ def test_the_marker_fails_a_leaking_fit_and_reports_figures(user_models: pytest.
     assert tests["test_fit_clean"]["checks"][NAME]["status"] == PASSED
     root = ET.parse(user_models.path / "out.xml").getroot()
     props = {
-        case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")} for case in root.iter("testcase")
+        case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")}
+        for case in root.iter("testcase")
     }
     assert props["test_fit_leaks"][f"torchperf.{NAME}.status"] == FAILED
     assert props["test_fit_leaks"][f"torchperf.{NAME}.retained_tensors"] == "11"
@@ -876,7 +885,9 @@ def test_the_forward_hook_is_invisible_to_torch_compile_same_graphs_no_warning()
         torch._dynamo.reset()
     assert watched == unwatched and len(unwatched) == 1
     assert report is not None
-    assert report.checks["no_graph_breaks"].status == "passed", [f.title for f in report.checks["no_graph_breaks"].findings]
+    assert report.checks["no_graph_breaks"].status == "passed", [
+        f.title for f in report.checks["no_graph_breaks"].findings
+    ]
     assert report.checks["no_recompiles"].figures["compiles"] == 1
     assert report.checks["no_graph_retention"].status == "passed", report.checks["no_graph_retention"].summary
     from torch.nn.modules.module import _global_forward_hooks

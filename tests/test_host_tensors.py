@@ -126,7 +126,9 @@ def test_a_helper_called_once_at_one_line_and_every_step_at_another_shows_each_c
 def test_arithmetic_on_an_element_of_a_host_tensor_stays_on_the_host(tmp_path: Path, line: str) -> None:
     """The elements of a host tensor (iteration, indexing) are views of it; numbers added to them are host
     values too, so reading them is no sync."""
-    report, _ = run_line(tmp_path, f"elements_{abs(hash(line)) % 10000}", "import numpy; data = numpy.arange(100); " + line)
+    report, _ = run_line(
+        tmp_path, f"elements_{abs(hash(line)) % 10000}", "import numpy; data = numpy.arange(100); " + line
+    )
     check = report["no_host_sync"]
     assert check.status == "passed" and not check.findings, check.render(False)
     assert check.figures["host_tensor_reads"] >= 3 * 4  # 4 elements a step, 3 steps
@@ -342,7 +344,9 @@ def test_a_legacy_tensor_built_from_data_on_an_earlier_line_and_moved_by_name_is
 
 
 def test_an_explicit_host_target_is_neither_a_copy_nor_a_sync(tmp_path: Path) -> None:
-    report, _ = run_line(tmp_path, "explicit", 't = torch.tensor([1.0, 2.0]).to("cpu"); v = t[0].item(); w = t.to(device="cpu")')
+    report, _ = run_line(
+        tmp_path, "explicit", 't = torch.tensor([1.0, 2.0]).to("cpu"); v = t[0].item(); w = t.to(device="cpu")'
+    )
     assert report["on_device"].status == "passed", report["on_device"].render(False)
     assert report["no_host_sync"].status == "passed", report["no_host_sync"].render(False)
     assert report["no_host_sync"].figures["host_tensor_reads"] == 3
@@ -415,7 +419,10 @@ def test_a_formatted_host_scalar_is_not_a_sync(tmp_path: Path) -> None:
         ("t = torch.tensor(0.0, device=out.device)", "`torch.full((), 0.0, device=out.device)`"),
         ("t = torch.tensor([0, 0, 0], device=dev)", "`torch.zeros(3, device=dev, dtype=torch.int64)`"),
         ("t = torch.as_tensor([[1.0, 1.0]], device=dev)", "`torch.ones(1, 2, device=dev)`"),
-        ("t = torch.tensor([1.0, 2.0], device=dev)", "build it once before the loop, `t = torch.tensor([1.0, 2.0], device=dev)`"),
+        (
+            "t = torch.tensor([1.0, 2.0], device=dev)",
+            "build it once before the loop, `t = torch.tensor([1.0, 2.0], device=dev)`",
+        ),
         ("t = out.new_tensor(2.5)", "`torch.full((), 2.5, device=out.device)`"),
     ],
 )
@@ -548,7 +555,10 @@ def test_lightning_transformer_demo_mask_is_caught_with_a_buffer_hint(tmp_path: 
     (event,) = user_events(report)
     assert event["moved_at"].endswith(f"demo_mask.py:{lineno}")
     assert event["path"] == ["triu", "masked_fill"]  # .float() of a float tensor returns the tensor itself
-    assert 'self.register_buffer("name", self.generate_square_subsequent_mask(x.size(0)), persistent=False)' in event["hint"]
+    assert (
+        'self.register_buffer("name", self.generate_square_subsequent_mask(x.size(0)), persistent=False)'
+        in event["hint"]
+    )
 
 
 # -- the copy rate: a lazy or periodic copy is a note --------------------------------------------------

@@ -175,7 +175,9 @@ def test_subclass_overriding_get_iterator_is_still_counted(user_models: pytest.P
     )
     result = user_models.runpytest()
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["MyLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) (*) started 2*"])
+    result.stdout.fnmatch_lines(
+        ["MyLoader(dataset=RandomDataset, num_workers=2, persistent_workers=True) (*) started 2*"]
+    )
 
 
 def test_check_can_be_switched_off(user_models: pytest.Pytester) -> None:
@@ -326,8 +328,9 @@ def test_loaders_built_by_one_helper_for_train_and_val_are_not_one_loader(user_m
             check = run.report["no_iterator_reset"]
             assert check.status == "passed", check.summary
             names = sorted(entry["loader"] for entry in check.figures["loaders"])
-            assert names[0].endswith("(built at torchperf_models.py:25, called from test_loaders_built_by_one_helper_for_train_and_val_are_not_one_loader.py:5)")
-            assert names[1].endswith("(built at torchperf_models.py:25, called from test_loaders_built_by_one_helper_for_train_and_val_are_not_one_loader.py:6)")
+            called = "called from test_loaders_built_by_one_helper_for_train_and_val_are_not_one_loader.py"
+            assert names[0].endswith(f"(built at torchperf_models.py:25, {called}:5)")
+            assert names[1].endswith(f"(built at torchperf_models.py:25, {called}:6)")
         """
     )
     user_models.runpytest().assert_outcomes(passed=1)

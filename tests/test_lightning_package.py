@@ -159,7 +159,10 @@ def test_worker_pools_rebuilt_by_a_non_persistent_loader_fail(lightning_models: 
     result = lightning_models.runpytest("-p", "no:warnings")
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(
-        ["*no_iterator_reset (2 extra worker pools in 1 loader)*", "*started a new worker pool in each of its 3 epochs*"]
+        [
+            "*no_iterator_reset (2 extra worker pools in 1 loader)*",
+            "*started a new worker pool in each of its 3 epochs*",
+        ]
     )
 
 

@@ -16,7 +16,8 @@ import textwrap
 import time
 import unittest
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -29,10 +30,10 @@ except ImportError:  # pragma: no cover - the lightning package only
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from pytest_torchperf import InvariantViolation, NotMirrored, ParityResult, UsageError, parity, vanilla_fit, watch  # noqa: E402
+from pytest_torchperf.glue.results import merge_checks  # noqa: E402
 from pytest_torchperf.options import Options, parse_options  # noqa: E402
 from pytest_torchperf.overhead.replay import LIGHTNING_WARMUP_BATCHES  # noqa: E402
 from pytest_torchperf.report import Inconclusive, InconclusiveWarning  # noqa: E402
-from pytest_torchperf.results import merge_checks  # noqa: E402
 from pytest_torchperf.timing import (  # noqa: E402
     LOCK_ENV,
     MIN_ROUNDS,
@@ -66,7 +67,9 @@ def one_thread() -> Iterator[None]:
 
 def tiny_loader(n: int = 32, batch_size: int = 8, width: int = 8) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch_size)
+    return DataLoader(
+        TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch_size
+    )
 
 
 class CountingSGD(torch.optim.SGD):
@@ -79,7 +82,9 @@ class CountingSGD(torch.optim.SGD):
 
     def step(self, closure: Any = None) -> Any:
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0)
+        self.grad_norms.append(
+            float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        )
         self.steps += 1
         return super().step(closure)
 
@@ -118,7 +123,13 @@ def tiny_trainer(tmp_path: Any, **kwargs: Any) -> Any:
 
 
 def test_t_quantiles_match_the_published_tables() -> None:
-    for p, df, table in [(0.975, 1, 12.706), (0.975, 2, 4.303), (0.975, 30, 2.042), (0.995, 4, 4.604), (0.9999, 3, 22.204)]:
+    for p, df, table in [
+        (0.975, 1, 12.706),
+        (0.975, 2, 4.303),
+        (0.975, 30, 2.042),
+        (0.995, 4, 4.604),
+        (0.9999, 3, 22.204),
+    ]:
         assert t_quantile(p, df) == pytest.approx(table, abs=1e-3)
     assert t_quantile(0.025, 2) == pytest.approx(-4.303, abs=1e-3)
 
@@ -204,7 +215,9 @@ def test_rounds_take_the_wait_for_a_cpu_out_of_both_sides() -> None:
     rounds.add(1.0, 1.25, 0.0, 0.25)
     assert rounds.ratios == [1.0, 1.0]
     stats = ParityResult.from_rounds(rounds, ("a", "b"), 1)
-    assert stats.candidate.wait_share == pytest.approx(0.5 / 2.5) and stats.baseline.wait_share == pytest.approx(0.25 / 2.25)
+    assert stats.candidate.wait_share == pytest.approx(0.5 / 2.5) and stats.baseline.wait_share == pytest.approx(
+        0.25 / 2.25
+    )
     assert "waited for a CPU (Linux run-queue delay): 20.0% of a's wall time, 11.1% of b's" in str(stats)
 
 
@@ -361,7 +374,10 @@ def test_parity_times_real_calls_and_pins_torch_threads() -> None:
         ({"rounds": True}, "rounds must be an integer"),
         ({"warmup": -1}, "warmup must be an integer from 0"),
         ({"names": ("only one",)}, "names must be two non-empty strings"),
-        ({"inconclusive": "skp"}, "inconclusive must be one of 'fail', 'skip', 'warn', got 'skp' \\(did you mean 'skip'\\?\\)"),
+        (
+            {"inconclusive": "skp"},
+            "inconclusive must be one of 'fail', 'skip', 'warn', got 'skp' \\(did you mean 'skip'\\?\\)",
+        ),
         ({"inconclusive": None}, "inconclusive must be one of"),
     ],
 )
@@ -391,7 +407,10 @@ def test_overhead_rounds_is_a_validated_setting() -> None:
 def test_overhead_inconclusive_is_a_validated_setting() -> None:
     assert parse_options({}).overhead_inconclusive == "fail"
     assert parse_options({"overhead_inconclusive": "warn"}).enabled_checks == parse_options({}).enabled_checks
-    with pytest.raises(UsageError, match=r"overhead_inconclusive must be one of 'fail', 'skip', 'warn', got 'wran' \(did you mean 'warn'\?\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"overhead_inconclusive must be one of 'fail', 'skip', 'warn', got 'wran' \(did you mean 'warn'\?\)",
+    ):
         parse_options({"overhead_inconclusive": "wran"}, where="@pytest.mark.torchperf")
     with pytest.raises(UsageError, match="overhead_inconclusive must be one of .* got True"):
         parse_options({"overhead_inconclusive": True})
@@ -528,7 +547,9 @@ class NoLoss(Tiny):
         (NoLoss, tiny_loader, {}, "without a 'loss' key"),
     ],
 )
-def test_vanilla_fit_refuses_what_it_cannot_mirror(module: Any, loaders: Any, kwargs: dict[str, Any], message: str) -> None:
+def test_vanilla_fit_refuses_what_it_cannot_mirror(
+    module: Any, loaders: Any, kwargs: dict[str, Any], message: str
+) -> None:
     with pytest.raises(NotMirrored, match=message):
         vanilla_fit(module(), loaders(), **kwargs)
 
@@ -564,7 +585,9 @@ def test_check_times_copies_and_leaves_the_users_objects_alone(tmp_path: Any, mo
     check = run.report["max_overhead"]
     assert check.status == "passed", check.summary
     fit = check.figures["fits"][0]
-    assert fit["module"] == "Tiny" and fit["site"].endswith(f"test_max_overhead.py:{_line_of('trainer.fit(model, tiny_loader())')}")
+    assert fit["module"] == "Tiny" and fit["site"].endswith(
+        f"test_max_overhead.py:{_line_of('trainer.fit(model, tiny_loader())')}"
+    )
     assert fit["rounds"] >= 2 and fit["batches_per_epoch"] == 4 and fit["lock"] == lock  # 2: the early look
     assert check.figures["overhead"] == fit["overhead"] and len(fit["interval"]) == 2
     # The replay trained copies: the user's module, callback and random generator are as the fit left them.
@@ -575,7 +598,9 @@ def test_check_times_copies_and_leaves_the_users_objects_alone(tmp_path: Any, mo
 
 
 class Recorded(Tiny):
-    """Every ``training_step`` and ``on_train_batch_start`` of the module and of the replay's copies (class-level lists)."""
+    """Every ``training_step`` and ``on_train_batch_start`` of the module and of the replay's copies (class-level
+    lists).
+    """
 
     steps: list[tuple[str, int, int]] = []
     starts: list[tuple[int, bool]] = []
@@ -664,7 +689,9 @@ def test_a_cpu_fit_is_timed_with_one_thread_in_a_unit_load_cannot_inflate(tmp_pa
     fit = run.report["max_overhead"].figures["fits"][0]
     assert fit["threads"] == 1 and torch.get_num_threads() == 2
     assert fit["unit"] == (THREAD_TIME if cpu_wait() is not None else "wall time")
-    assert any(note.startswith("your fit ran with 2 torch threads; both loops were timed with 1") for note in fit["notes"])
+    assert any(
+        note.startswith("your fit ran with 2 torch threads; both loops were timed with 1") for note in fit["notes"]
+    )
     assert fit["verdict"] == "passed" and fit["status"] == "passed"
 
 
@@ -782,7 +809,7 @@ def test_a_block_that_raises_is_not_timed(tmp_path: Any) -> None:
 
 # -- through pytest, on the heavy workload -------------------------------------------------------
 
-HEAVY = '''
+HEAVY = """
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -797,7 +824,8 @@ WIDTH, BATCH, BATCHES = 512, 256, 8  # about 15 ms of matrix work per step on on
 def make_loader():
     g = torch.Generator().manual_seed(0)
     n = BATCH * BATCHES
-    return DataLoader(TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)), batch_size=BATCH)
+    data = TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g))
+    return DataLoader(data, batch_size=BATCH)
 
 
 class HeavyModule(pl.LightningModule):
@@ -831,7 +859,7 @@ def make_trainer(tmp_path):
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )
-'''
+"""
 
 
 @pytest.fixture
@@ -875,14 +903,17 @@ def test_slow_hook_fails_at_30_percent_and_is_named_in_the_report(heavy: pytest.
     heavy.makepyfile(marked(source))
     result = heavy.runpytest()
     result.assert_outcomes(failed=1)
-    hook_line = HEAVY.strip().splitlines().index("    def on_train_batch_end(self, outputs, batch, batch_idx, *args):") + 1
+    hook_line = (
+        HEAVY.strip().splitlines().index("    def on_train_batch_end(self, outputs, batch, batch_idx, *args):") + 1
+    )
     result.stdout.fnmatch_lines(
         [
             "*torchperf: 1 invariant broken: max_overhead (+*% over vanilla loop (95% CI *) > 30%)*",
             "*Trainer.fit(SlowHookModule): a Lightning epoch took * against * for the vanilla loop derived "
             "from SlowHookModule: +*%, more than max_overhead=30%",
             "*overhead +*% (the geometric mean of * rounds*), 95% interval *: entirely above the threshold 30%",
-            "*Trainer.fit(SlowHookModule) called at test_slow_hook_fails_at_30_percent_and_is_named_in_the_report.py:6*",
+            "*Trainer.fit(SlowHookModule) called at "
+            "test_slow_hook_fails_at_30_percent_and_is_named_in_the_report.py:6*",
             "where the extra * per batch went (8 batches per epoch*",
             "* per batch  SlowHookModule.on_train_batch_end (LightningModule hook)",
             f"*at overhead_models.py:{hook_line} ?your code?",
@@ -919,14 +950,16 @@ def test_callable_form_fails_the_test_with_the_torchperf_report(pytester: pytest
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*torchperf: 1 invariant broken: max_overhead (+30.0% over plain loop (95% CI +28.3%..+31.8%, 4 rounds) > 20%)*",
+            "*torchperf: 1 invariant broken: max_overhead (+30.0% over plain loop (95% CI +28.3%..+31.8%, 4 rounds) > "
+            "20%)*",
             "*framework loop took 13.0 ms per epoch vs 10.0 ms for plain loop: +30.0% (max_overhead 20%)*",
         ]
     )
 
 
 def test_importing_the_package_does_not_import_torch() -> None:
-    code = "import sys, pytest_torchperf; pytest_torchperf.parity; pytest_torchperf.vanilla_fit; print('torch' in sys.modules)"
+    code = ("import sys, pytest_torchperf; pytest_torchperf.parity; pytest_torchperf.vanilla_fit; print('torch' in "
+            "sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -969,7 +1002,8 @@ def test_fixture_parity_fails_the_test_and_is_recorded(pytester: pytest.Pytester
     runs = {t["nodeid"].split("::")[1]: t["runs"] for t in doc["tests"]}
     assert runs["test_slower"][0]["source"] == "parity"
     assert runs["test_slower"][0]["options"]["max_overhead"] == 0.2
-    assert runs["test_slower"][0]["checks"]["max_overhead"]["figures"]["rounds"] in (2, 4)  # 2: the early look on a quiet machine
+    rounds = runs["test_slower"][0]["checks"]["max_overhead"]["figures"]["rounds"]
+    assert rounds in (2, 4)  # 2: the early look on a quiet machine
     assert runs["test_within"][0]["checks"]["max_overhead"]["passed"] is True
 
 
@@ -1009,7 +1043,10 @@ def test_inconclusive_action_comes_from_the_command_line_over_the_ini_file(pytes
     doc = json.loads((pytester.path / "out.json").read_text())
     assert doc["summary"]["checks_inconclusive"] == {"max_overhead": 2} and doc["summary"]["checks_failed"] == {}
     outcomes = {t["nodeid"].split("::")[1]: (t["outcome"], t["checks"]["max_overhead"]["status"]) for t in doc["tests"]}
-    assert outcomes == {"test_session_default": ("skipped", "inconclusive"), "test_own_choice": ("failed", "inconclusive")}
+    assert outcomes == {
+        "test_session_default": ("skipped", "inconclusive"),
+        "test_own_choice": ("failed", "inconclusive"),
+    }
 
     warned = pytester.runpytest("--torchperf-overhead-inconclusive=warn")
     warned.assert_outcomes(passed=1, failed=1, warnings=1)
@@ -1019,11 +1056,21 @@ def test_inconclusive_action_comes_from_the_command_line_over_the_ini_file(pytes
 @pytest.mark.parametrize(
     ("args", "ini", "message"),
     [
-        (["--torchperf-overhead-inconclusive=skp"], "", "*--torchperf-overhead-inconclusive: must be one of fail, skip, warn, got 'skp' (did you mean 'skip'?)*"),
-        ([], "torchperf_overhead_inconclusive = pass\n", "*ini option torchperf_overhead_inconclusive must be one of fail, skip, warn, got 'pass'*"),
+        (
+            ["--torchperf-overhead-inconclusive=skp"],
+            "",
+            "*--torchperf-overhead-inconclusive: must be one of fail, skip, warn, got 'skp' (did you mean 'skip'?)*",
+        ),
+        (
+            [],
+            "torchperf_overhead_inconclusive = pass\n",
+            "*ini option torchperf_overhead_inconclusive must be one of fail, skip, warn, got 'pass'*",
+        ),
     ],
 )
-def test_a_wrong_inconclusive_action_is_a_usage_error(pytester: pytest.Pytester, args: list[str], ini: str, message: str) -> None:
+def test_a_wrong_inconclusive_action_is_a_usage_error(
+    pytester: pytest.Pytester, args: list[str], ini: str, message: str
+) -> None:
     pytester.makepyfile("def test_nothing():\n    pass\n")
     pytester.makeini("[pytest]\n" + ini)
     result = pytester.runpytest(*args)
@@ -1110,7 +1157,8 @@ def test_a_real_fit_with_a_tiny_round_budget_is_inconclusive_and_the_marker_says
         [
             "*torchperf: inconclusive: max_overhead (+*% over vanilla loop (95% CI *, 4 rounds) straddles 50%)",
             "Trainer.fit(NoisyModule): a Lightning epoch took * against * for the vanilla loop derived from "
-            "NoisyModule: *; its 95% interval * includes max_overhead=50%, so it neither passes nor fails: inconclusive",
+            "NoisyModule: *; its 95% interval * includes max_overhead=50%, "
+            "so it neither passes nor fails: inconclusive",
             "*hint: after 4 rounds the interval * still includes 50%: time more rounds for a narrower interval "
             "(overhead_rounds=4), set the threshold with a margin*",
             "where the extra * per batch went*",

@@ -51,13 +51,22 @@ def test_the_warm_up_steps_are_not_judged() -> None:
 
 
 def test_format_bytes() -> None:
-    assert [format_bytes(n) for n in (0, 512, 1536, 3 * 2**20, -2048)] == ["0 B", "512 B", "1.5 KiB", "3.0 MiB", "-2.0 KiB"]
+    assert [format_bytes(n) for n in (0, 512, 1536, 3 * 2**20, -2048)] == [
+        "0 B",
+        "512 B",
+        "1.5 KiB",
+        "3.0 MiB",
+        "-2.0 KiB",
+    ]
 
 
 @pytest.mark.parametrize(
     "value, message",
     [
-        (-1, "max_memory_growth must be an integer >= 0 (bytes of CUDA memory a training step may add) or None, got -1"),
+        (
+            -1,
+            "max_memory_growth must be an integer >= 0 (bytes of CUDA memory a training step may add) or None, got -1",
+        ),
         (1.5, "max_memory_growth must be an integer >= 0"),
         ("1MB", "max_memory_growth must be an integer >= 0"),
         (True, "max_memory_growth must be an integer >= 0"),

@@ -136,7 +136,9 @@ def fit(module: ModuleType, steps: int = 2, **options: Any) -> Report:
         warnings.simplefilter("ignore")  # Lightning's num_workers advice
         try:
             with watch(**options) as run:
-                trainer.fit(module.Model(), DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4))
+                trainer.fit(
+                    module.Model(), DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
+                )
         except InvariantViolation as exc:
             return exc.report
     return run.report
@@ -383,7 +385,9 @@ def test_a_torch_warning_inside_a_wrapper_points_at_the_users_line(tmp_path: Pat
 
 
 def _steps_with_a_state_built_before_the_watch(make_optimizer: Any) -> Any:
-    """Three watched steps of ``make_optimizer(params)`` on a Linear(8, 1), its state built by one step before the watch."""
+    """Three watched steps of ``make_optimizer(params)`` on a Linear(8, 1), its state built by one step before the
+    watch.
+    """
     model = torch.nn.Linear(8, 1)
     opt = make_optimizer(model.parameters())
     data = batches(3)
@@ -770,7 +774,8 @@ def test_plain_loop_through_the_fixture_and_the_summary_line(user_models: pytest
             "*torchperf summary*",
             "torchperf: 2 watched tests, broken invariants: no_host_sync in 1",
             "torchperf: held: no_host_sync in 1, *",
-            "FAILED  test_loop.py::test_branch: no_host_sync failed (3 syncs at test_loop.py:17: 1 per step over 3 steps)",
+            "FAILED  test_loop.py::test_branch: no_host_sync failed (3 syncs at test_loop.py:17: 1 per step over 3 "
+            "steps)",
         ]
     )
     result.stdout.no_fnmatch_line("PASSED  test_loop.py::test_clean*")  # a clean test adds nothing by default

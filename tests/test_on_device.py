@@ -29,10 +29,19 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 #: The spelling expected in the hint; a pair is (plain loop, Lightning step) where they differ: host data is
 #: built once (before the loop, or as a buffer), since ``torch.tensor(data, device=dev)`` in the step is a copy too.
 PATTERNS = {
-    "randn_to_device": ("noise = torch.randn(out.shape).to(dev)", "torch.randn", "`torch.randn(out.shape, device=dev)`"),
-    "tensor_to_x_device": ("t = torch.tensor([1.0, 2.0]).to(out.device)", "torch.tensor",
-                           ("`t = torch.tensor([1.0, 2.0], device=out.device)`",
-                            '`self.register_buffer("name", torch.tensor([1.0, 2.0]), persistent=False)`')),
+    "randn_to_device": (
+        "noise = torch.randn(out.shape).to(dev)",
+        "torch.randn",
+        "`torch.randn(out.shape, device=dev)`",
+    ),
+    "tensor_to_x_device": (
+        "t = torch.tensor([1.0, 2.0]).to(out.device)",
+        "torch.tensor",
+        (
+            "`t = torch.tensor([1.0, 2.0], device=out.device)`",
+            '`self.register_buffer("name", torch.tensor([1.0, 2.0]), persistent=False)`',
+        ),
+    ),
     "ones_type_as": ("t = torch.ones(4).type_as(out)", "torch.ones", "`out.new_ones(4)`"),
     "zeros_to_tensor": ("t = torch.zeros(4, 1).to(out)", "torch.zeros", "`out.new_zeros(4, 1)`"),
     "rand": ("t = torch.rand(4).to(dev)", "torch.rand", "`torch.rand(4, device=dev)`"),
@@ -42,18 +51,37 @@ PATTERNS = {
     "eye": ("t = torch.eye(3).to(dev)", "torch.eye", "`torch.eye(3, device=dev)`"),
     "arange_view": ("t = torch.arange(4)[None, :].to(dev)", "torch.arange", "`torch.arange(4, device=dev)`"),
     "linspace": ("t = torch.linspace(0, 1, 5).to(dev)", "torch.linspace", "`torch.linspace(0, 1, 5, device=dev)`"),
-    "as_tensor": ("t = torch.as_tensor([1, 2]).to(dev)", "torch.as_tensor",
-                  ("`t = torch.as_tensor([1, 2], device=dev)`",
-                   '`self.register_buffer("name", torch.as_tensor([1, 2]), persistent=False)`')),
-    "from_numpy_float": ("t = torch.from_numpy(ARRAY).float().to(dev)", "torch.from_numpy",
-                         ("`t = torch.as_tensor(ARRAY, device=dev, dtype=torch.float32)`",
-                          '`self.register_buffer("name", torch.from_numpy(ARRAY), persistent=False)`')),
-    "arange_long_to_dtype": ("t = torch.arange(4).to(torch.float32).long().to(dev)", "torch.arange",
-                             "`torch.arange(4, device=dev, dtype=torch.int64)`"),
-    "copy_into_device": ("buffer = out.detach().clone(); buffer.copy_(torch.randn(4, 1))", "torch.randn",
-                         "`torch.randn(4, 1, device=buffer.device)`"),
-    "two_lines": ("noise = torch.randn(4)\n                noise = noise.to(dev)", "torch.randn",
-                  "`torch.randn(4, device=dev)`"),
+    "as_tensor": (
+        "t = torch.as_tensor([1, 2]).to(dev)",
+        "torch.as_tensor",
+        (
+            "`t = torch.as_tensor([1, 2], device=dev)`",
+            '`self.register_buffer("name", torch.as_tensor([1, 2]), persistent=False)`',
+        ),
+    ),
+    "from_numpy_float": (
+        "t = torch.from_numpy(ARRAY).float().to(dev)",
+        "torch.from_numpy",
+        (
+            "`t = torch.as_tensor(ARRAY, device=dev, dtype=torch.float32)`",
+            '`self.register_buffer("name", torch.from_numpy(ARRAY), persistent=False)`',
+        ),
+    ),
+    "arange_long_to_dtype": (
+        "t = torch.arange(4).to(torch.float32).long().to(dev)",
+        "torch.arange",
+        "`torch.arange(4, device=dev, dtype=torch.int64)`",
+    ),
+    "copy_into_device": (
+        "buffer = out.detach().clone(); buffer.copy_(torch.randn(4, 1))",
+        "torch.randn",
+        "`torch.randn(4, 1, device=buffer.device)`",
+    ),
+    "two_lines": (
+        "noise = torch.randn(4)\n                noise = noise.to(dev)",
+        "torch.randn",
+        "`torch.randn(4, device=dev)`",
+    ),
 }
 
 #: The right idioms: nothing is built on the host and copied.
@@ -144,7 +172,7 @@ def fit(module: Any, steps: int = 2, **options: Any) -> Report:
 
 def _diagnose(module: Any) -> str:
     from pytest_torchperf import core, stacks
-    from pytest_torchperf.watch import installed_probes
+    from pytest_torchperf.watching import installed_probes
 
     with watch():
         inside = (torch.randn, torch.Tensor.to, installed_probes(), list(core.active_runs()),
@@ -323,7 +351,9 @@ def test_counts_and_scope(tmp_path: Path) -> None:
     report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(3))
     (event,) = events(report)
     assert event["frequency"] == "2 per step over 3 steps"
-    assert report["on_device"].summary == f"6 host-built tensor copies from {event['created_at']}: 2 per step over 3 steps"
+    assert (
+        report["on_device"].summary == f"6 host-built tensor copies from {event['created_at']}: 2 per step over 3 steps"
+    )
     report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(3), scope="test")
     found = {e["moved_at"].rsplit(":", 1)[1]: e["frequency"] for e in events(report)}
     assert found == {str(lineno): "2 per step over 3 steps", str(lineno + 1): "3 times outside training steps"}

@@ -16,7 +16,7 @@ import torch
 from step_check_helpers import OFF, report_of, write_module
 
 from pytest_torchperf import parse_options, stacks, watch
-from pytest_torchperf.baseline import compare, observe
+from pytest_torchperf.glue.baseline import compare, observe
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, Report
 
 EMA = """

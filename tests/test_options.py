@@ -39,7 +39,8 @@ def test_max_overhead_enables_its_check_and_is_stored_as_float() -> None:
         ({"max_overhead": 0}, "max_overhead must be a finite number > 0"),
         ({"max_overhead": -0.1}, "max_overhead must be a finite number > 0"),
         ({"max_overhead": float("nan")}, "max_overhead must be a finite number > 0"),
-        ({"scope": "bacth"}, "scope must be one of 'training_step', 'batch', 'test', got 'bacth' (did you mean 'batch'?)"),
+        ({"scope": "bacth"}, "scope must be one of 'training_step', 'batch', 'test', got 'bacth' (did you mean "
+                             "'batch'?)"),
         ({"scope": 3}, "scope must be one of 'training_step', 'batch', 'test', got 3"),
     ],
 )
@@ -63,7 +64,8 @@ def test_usage_error_is_a_value_error() -> None:
     "marker, message",
     [
         ("torchperf(scope='bacth')", "*scope must be one of*got 'bacth' (did you mean 'batch'?)*"),
-        ("torchperf(no_iterater_reset=False)", "*unknown argument 'no_iterater_reset' (did you mean 'no_iterator_reset'?)*"),
+        ("torchperf(no_iterater_reset=False)", "*unknown argument 'no_iterater_reset' (did you mean "
+                                               "'no_iterator_reset'?)*"),
         ("torchperf(0.1)", "*takes keyword arguments only*"),
         ("torchperf(max_overhead='10')", "*max_overhead must be a number*"),
         ("torchperf(max_overhead=50)", "*did you mean max_overhead=0.5 or max_overhead=\"50%\"?*"),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchperf.baseline import SCHEMA, SCHEMA_VERSION, observe
+from pytest_torchperf.glue.baseline import SCHEMA, SCHEMA_VERSION, observe
 from pytest_torchperf.report import FAILED, CheckResult, Finding, Report, Site
 from pytest_torchperf.stacks import Frame
 

@@ -45,7 +45,7 @@ def test_the_early_look_spends_a_quarter_of_the_error_and_the_later_looks_share_
 
 
 @pytest.mark.parametrize("waits", [None, 0.2])
-def test_no_early_look_unless_the_machine_was_measured_quiet(waits: "float | None") -> None:
+def test_no_early_look_unless_the_machine_was_measured_quiet(waits: float | None) -> None:
     rounds = Rounds(max_overhead=0.5, rounds=10)
     for ratio in (1.86, 1.84):
         if waits is None:

@@ -269,7 +269,7 @@ def test_unmarked_suite_never_imports_torch(pytester: pytest.Pytester) -> None:
 
 
 def test_importing_the_package_does_not_import_torch() -> None:
-    code = "import sys, pytest_torchperf, pytest_torchperf.plugin; print('torch' in sys.modules)"
+    code = "import sys, pytest_torchperf, pytest_torchperf.glue.plugin; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

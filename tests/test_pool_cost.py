@@ -34,7 +34,7 @@ def loader(persistent: bool) -> DataLoader:
 
 def epochs(run: Any, batches: DataLoader, n: int = 3) -> None:
     for _ in range(n):
-        for x, y in batches:
+        for _x, _y in batches:
             with run.step():
                 time.sleep(0.001)
 

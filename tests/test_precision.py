@@ -64,7 +64,8 @@ def test_float32_lightning_fit_fails_with_the_trainer_hint(user_models: pytest.P
             "  Trainer precision: '32-true'",
             "  float32 optimizer step at pytorch_lightning/*optimizer_step [[]framework code[]]",
             "*",
-            "  hint: train with Trainer(precision='bf16-mixed') (Ampere or newer GPUs) or Trainer(precision='16-mixed').",
+            "  hint: train with Trainer(precision='bf16-mixed') (Ampere or newer GPUs) or "
+            "Trainer(precision='16-mixed').",
         ],
         consecutive=False,
     )

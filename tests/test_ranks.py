@@ -16,8 +16,9 @@ import shutil
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -427,7 +428,9 @@ def test_fabric_ddp_spawn_ranks_and_a_rank_that_raises(pytester: pytest.Pytester
     assert "rank 1: not checked (raised RuntimeError: rank 1 ran out of data at plain_ranks.py:" in (
         raised["checks"]["no_data_parallel"]["summary"]
     )
-    result.stdout.fnmatch_lines(["        rank 1 (pid *) raised RuntimeError: rank 1 ran out of data at plain_ranks.py:*"])
+    result.stdout.fnmatch_lines(
+        ["        rank 1 (pid *) raised RuntimeError: rank 1 ran out of data at plain_ranks.py:*"]
+    )
 
 
 @pytest.mark.slow
@@ -460,7 +463,10 @@ def test_lightning_and_fabric_ddp_rerun_the_test_in_each_rank(
         ranks = processes(tests[name])
         assert set(ranks) == {"rank 0", "rank 1"}, name
         assert ranks["rank 1"]["launcher"] in ("lightning ddp", "fabric ddp")
-    assert processes(tests["test_ddp[clean]"])["rank 1"]["pid"] == processes(tests["test_fabric_ddp[buggy]"])["rank 1"]["pid"]
+    assert (
+        processes(tests["test_ddp[clean]"])["rank 1"]["pid"]
+        == processes(tests["test_fabric_ddp[buggy]"])["rank 1"]["pid"]
+    )
     manual = tests["test_ddp_manual_accumulation[all_reduce_each_micro_batch]"]["checks"]["no_sync_accumulation"]
     assert manual["summary"] == "rank 0, 1: 4 all-reduce rounds for 2 optimizer steps, up to 2 per step: 2 not needed"
     result.stdout.fnmatch_lines(["*hint: in manual optimization, run the micro-batches that do not step under "

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from pytest_torchperf import step, watch
+from pytest_torchperf.glue.results import junit_properties
 from pytest_torchperf.ranks import merge as merging
 from pytest_torchperf.ranks.merge import Part, merge
 from pytest_torchperf.ranks.wire import report_from_data, report_to_data
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Report, Site
-from pytest_torchperf.results import junit_properties
 from pytest_torchperf.stacks import Frame
 
 HERE = os.path.abspath(__file__)
@@ -61,7 +61,11 @@ def test_identical_findings_of_several_ranks_are_told_once_with_their_ranks() ->
 
 def test_different_findings_keep_their_own_rank() -> None:
     check = merge([Part(0, syncs(4)), Part(1, syncs(3))])["no_host_sync"]
-    assert check.summary == "rank 0: 4 syncs at model.py:12: 1 per step over 4 steps; rank 1: 3 syncs at model.py:12: 1 per step over 4 steps"
+    assert (
+        check.summary
+        == "rank 0: 4 syncs at model.py:12: 1 per step over 4 steps; rank 1: 3 syncs at model.py:12: 1 per step over 4 "
+           "steps"
+    )
     assert [f.title.split(":")[0] for f in check.findings] == ["rank 0", "rank 1"]
 
 
@@ -86,7 +90,12 @@ def test_the_main_process_that_trained_nothing_is_left_out_of_the_verdict() -> N
 
 
 def test_a_missing_or_raising_rank_shows_why_and_vouches_for_nothing() -> None:
-    error = {"type": "RuntimeError", "message": "boom", "where": "train.py:9 in train", "traceback": ["train.py:9 in train", "RuntimeError: boom"]}
+    error = {
+        "type": "RuntimeError",
+        "message": "boom",
+        "where": "train.py:9 in train",
+        "traceback": ["train.py:9 in train", "RuntimeError: boom"],
+    }
     merged = merge([
         Part(0, syncs(0, PASSED)),
         Part(1, syncs(0, PASSED), pid=42, error=error),
@@ -202,7 +211,10 @@ def test_every_launcher_patch_is_undone_when_the_watch_ends() -> None:
     "args, booted",
     [
         (("-u", "train.py", "--sync"), ("-u", "-m", "pytest_torchperf.ranks.boot", "train.py", "--sync")),
-        (("-u", "-m", "pkg.train", "--lr", "1"), ("-u", "-m", "pytest_torchperf.ranks.boot", "-m", "pkg.train", "--lr", "1")),
+        (
+            ("-u", "-m", "pkg.train", "--lr", "1"),
+            ("-u", "-m", "pytest_torchperf.ranks.boot", "-m", "pkg.train", "--lr", "1"),
+        ),
         (("-X", "dev", "train.py"), ("-X", "dev", "-m", "pytest_torchperf.ranks.boot", "train.py")),
         (("-u", "-c", "print(1)"), None),  # code on the command line: nothing to run through the boot module
     ],

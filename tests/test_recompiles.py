@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -192,7 +192,10 @@ def test_nothing_compiled_passes_and_says_so() -> None:
             "(HINT: make it a tensor.)\nUser stack trace:\n  File ...",
             ("s.counter == 5", "return x * s.counter", "make it a tensor."),
         ),
-        ("0/0: tensor 'x' size mismatch at index 0. expected 8, actual 4", ("tensor 'x' size mismatch at index 0. expected 8, actual 4", "", "")),
+        (
+            "0/0: tensor 'x' size mismatch at index 0. expected 8, actual 4",
+            ("tensor 'x' size mismatch at index 0. expected 8, actual 4", "", ""),
+        ),
         ("GLOBAL_STATE changed: grad_mode ", ("GLOBAL_STATE changed: grad_mode", "", "")),
         ("", ("", "", "")),
     ],

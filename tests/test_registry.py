@@ -9,23 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchperf import (
-    PASSED,
-    Argument,
-    Check,
-    CheckResult,
-    Flag,
-    Integer,
-    Invariant,
-    Options,
-    UsageError,
-    parse_options,
-    register,
-    registry,
-    unregister,
-    watch,
-)
+from pytest_torchperf import Options, UsageError, parse_options, registry, watch
+from pytest_torchperf.extend import Argument, Check, CheckResult, Flag, Integer, Invariant, register, unregister
 from pytest_torchperf.options import describe_options
+from pytest_torchperf.report import PASSED
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,7 +113,7 @@ def test_registering_a_taken_name_or_a_reserved_one_is_refused(registered: Invar
         register(Invariant(name="no_host_sync", doc="", check=CountSteps))
     with pytest.raises(UsageError, match="'to_dict' cannot be an argument name"):
         register(Invariant(name="to_dict", doc="", check=CountSteps))
-    with pytest.raises(UsageError, match="not a pytest_torchperf.Invariant"):
+    with pytest.raises(UsageError, match="not a pytest_torchperf.extend.Invariant"):
         register("no_such_thing")  # type: ignore[arg-type]
 
 
@@ -175,8 +162,8 @@ def test_importing_the_registry_and_parsing_options_never_imports_torch() -> Non
 
 
 def test_a_handler_with_the_wrong_arguments_is_refused_at_registration_with_the_expected_signature() -> None:
-    from pytest_torchperf import Check, Invariant, register
     from pytest_torchperf.arguments import UsageError
+    from pytest_torchperf.extend import Check, Invariant, register
 
     class WrongSync(Check):
         def on_sync(self, event, extra):  # type: ignore[no-untyped-def]  # the event sends one argument
@@ -193,8 +180,8 @@ def test_a_handler_with_the_wrong_arguments_is_refused_at_registration_with_the_
 
 
 def test_an_unknown_handler_name_is_refused_with_did_you_mean() -> None:
-    from pytest_torchperf import Check, Invariant, register
     from pytest_torchperf.arguments import UsageError
+    from pytest_torchperf.extend import Check, Invariant, register
 
     class Misspelt(Check):
         def on_step_ends(self):  # type: ignore[no-untyped-def]
@@ -208,7 +195,7 @@ def test_an_unknown_handler_name_is_refused_with_did_you_mean() -> None:
 
 
 def test_a_handler_may_take_defaults_or_star_args_beyond_what_the_event_sends() -> None:
-    from pytest_torchperf import Check, Invariant, register, unregister
+    from pytest_torchperf.extend import Check, Invariant, register, unregister
 
     class Lenient(Check):
         def on_optimizer_step(self, optimizer, *rest):  # type: ignore[no-untyped-def]

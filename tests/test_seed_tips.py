@@ -13,7 +13,15 @@ import seed_tips_models  # noqa: F401  (compiles once: pytester runs below compi
 
 from pytest_torchperf import UsageError, parse_options
 
-TIPS = ("min_workers", "pin_memory", "no_empty_cache", "no_data_parallel", "grads_set_to_none", "no_recompiles", "mixed_precision")
+TIPS = (
+    "min_workers",
+    "pin_memory",
+    "no_empty_cache",
+    "no_data_parallel",
+    "grads_set_to_none",
+    "no_recompiles",
+    "mixed_precision",
+)
 
 
 def test_defaults_only_no_data_parallel_is_on() -> None:
@@ -119,7 +127,10 @@ def test_every_invariant_reports_its_figures_in_the_json(user_models: pytest.Pyt
     result = user_models.runpytest("-p", "no:warnings", "--torchperf-json=out.json", "--junitxml=junit.xml")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
-        ["*torchperf: 4 invariants broken: min_workers (*); no_empty_cache (*); no_data_parallel (*); grads_set_to_none (*)"]
+        [
+            "*torchperf: 4 invariants broken: min_workers (*); no_empty_cache (*); no_data_parallel (*); "
+            "grads_set_to_none (*)"
+        ]
     )
     document = json.loads((user_models.path / "out.json").read_text())
     (test,) = document["tests"]
@@ -136,7 +147,11 @@ def test_every_invariant_reports_its_figures_in_the_json(user_models: pytest.Pyt
         "no_empty_cache": {"calls": 8, "calls_in_scope": 8, "steps": 8},
         "no_data_parallel": {"data_parallel_modules": 1, "forward_calls": 8, "lightning_strategy": None},
         "grads_set_to_none": {"optimizer_steps": 8, "zero_grad_set_to_none_false": 8, "grads_zeroed_in_place": 0},
-        "no_recompiles": {"recompiles_after_warmup": 0, "recompile_limit_hits": 0, "warmup": "the first compile of each mode (grad mode, autocast, train/eval)"},
+        "no_recompiles": {
+            "recompiles_after_warmup": 0,
+            "recompile_limit_hits": 0,
+            "warmup": "the first compile of each mode (grad mode, autocast, train/eval)",
+        },
     }
     for name, figures in expected_figures.items():
         assert {key: checks[name]["figures"][key] for key in figures} == figures, name
@@ -229,7 +244,7 @@ def test_everything_patched_is_pristine_after_passed_failed_and_crashed_tests(us
             assert snapshot() == BEFORE
             from pytest_torchperf.core import active_runs
             from pytest_torchperf.probes import data_parallel, grads, loaders, recompiles
-            from pytest_torchperf.watch import installed_probes
+            from pytest_torchperf.watching import installed_probes
             assert active_runs() == [] and installed_probes() == ()
             assert len(loaders.PROBE.created) == 0 and len(loaders.PROBE.loader_of) == 0
             assert len(data_parallel.PROBE.created) == 0

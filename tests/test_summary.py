@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pytest_torchperf.summary import session_lines
+from pytest_torchperf.glue.summary import session_lines
 
 #: A suite like a foreign project's, every test marked: configuration tests that never train, unittest classes
 #: whose tests unittest skips or fails, tiny real training loops, a DataParallel built only to unwrap it, and

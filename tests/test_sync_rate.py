@@ -108,7 +108,9 @@ def test_a_sync_in_a_large_share_of_the_steps_fails(tmp_path: Path, condition: s
         ("i % 10 == 0", 12, "passed", "periodic: 2 of 12 steps"),  # step 0 is free: 1 more in 12 steps
     ],
 )
-def test_short_runs_are_judged_by_what_they_show(tmp_path: Path, condition: str, steps: int, status: str, title: str) -> None:
+def test_short_runs_are_judged_by_what_they_show(
+    tmp_path: Path, condition: str, steps: int, status: str, title: str
+) -> None:
     report, _ = loop(tmp_path, condition, steps)
     check = report["no_host_sync"]
     assert check.status == status, check.render(False)
@@ -186,7 +188,9 @@ def test_a_period_that_restarts_every_epoch_gets_its_first_sync_of_each_epoch_fr
     tmp_path: Path, batches_per_epoch: int, epochs: int, every: int, status: str, detail: str
 ) -> None:
     module, _ = write_module(tmp_path, f"epochs_{batches_per_epoch}_{epochs}_{every}", EPOCHS)
-    loader = DataLoader(TensorDataset(torch.randn(batches_per_epoch, 8), torch.randn(batches_per_epoch, 1)), batch_size=1)
+    loader = DataLoader(
+        TensorDataset(torch.randn(batches_per_epoch, 8), torch.randn(batches_per_epoch, 1)), batch_size=1
+    )
     report = report_of(module.train, watch, torch.nn.Linear(8, 1), loader, epochs, every)
     check = report["no_host_sync"]
     assert check.status == status, check.render(False)
@@ -337,7 +341,9 @@ def test_framework_syncs_under_scope_test_are_at_the_frameworks_line(pytester: p
         @pytest.mark.torchperf(scope="test")
         def test_fit(tmp_path):
             loader = DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
-            checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val_loss:.3f}", monitor="val_loss")
+            checkpoint = pl.callbacks.ModelCheckpoint(
+                dirpath=tmp_path, filename="{epoch}-{val_loss:.3f}", monitor="val_loss"
+            )
             trainer = pl.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
                                  callbacks=[checkpoint], default_root_dir=tmp_path)
             trainer.fit(Model(), loader, loader)

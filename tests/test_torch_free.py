@@ -30,7 +30,9 @@ def test_this_environment_is_the_one_it_claims_to_be() -> None:
 
 
 def test_importing_the_plugin_does_not_import_torch() -> None:
-    code = "import sys, pytest_torchperf.plugin; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    code = (
+        "import sys, pytest_torchperf.glue.plugin; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -80,7 +82,10 @@ def test_help_and_markers_document_the_plugin(pytester: pytest.Pytester) -> None
     "marker, message",
     [
         ("torchperf(scope='bacth')", "*scope must be one of*got 'bacth' (did you mean 'batch'?)*"),
-        ("torchperf(no_iterater_reset=False)", "*unknown argument 'no_iterater_reset' (did you mean 'no_iterator_reset'?)*"),
+        (
+            "torchperf(no_iterater_reset=False)",
+            "*unknown argument 'no_iterater_reset' (did you mean 'no_iterator_reset'?)*",
+        ),
         ("torchperf(min_workers=-1)", "*min_workers*"),
     ],
 )

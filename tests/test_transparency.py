@@ -22,7 +22,7 @@ from conftest import DATASET
 from torch.utils.data import DataLoader, TensorDataset
 from transparency_battery import BEHAVIOURS
 
-from pytest_torchperf import NOT_CHECKED, InvariantViolation, _slots, registry, watch
+from pytest_torchperf import InvariantViolation, Status, _slots, registry, watch
 from pytest_torchperf.core import Run
 from pytest_torchperf.report import Report
 
@@ -345,7 +345,7 @@ def test_a_probe_that_fails_leaves_the_training_untouched_and_says_so(
     assert report.internal_errors[probe] == f"RuntimeError: injected fault in {method}"
     (name,) = kwargs
     check = report[name]
-    assert check.status == NOT_CHECKED
+    assert check.status == Status.NOT_CHECKED
     assert check.summary == (
         f"torchperf internal error in probe {probe}: RuntimeError: injected fault in {method}; the check is not checked"
     )
@@ -366,7 +366,10 @@ def test_a_lightning_observer_that_fails_leaves_the_fit_untouched(
     assert set(report.checks) == {
         "no_host_sync", "on_device", "no_iterator_reset", "no_data_parallel", "no_graph_breaks", "no_debug_modes"
     }
-    assert all(c.status == NOT_CHECKED and "internal error in probe lightning" in c.summary for c in report.checks.values())
+    assert all(
+        c.status == Status.NOT_CHECKED and "internal error in probe lightning" in c.summary
+        for c in report.checks.values()
+    )
 
 
 def test_a_check_that_fails_is_not_checked_and_the_others_still_judge(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -376,7 +379,7 @@ def test_a_check_that_fails_is_not_checked_and_the_others_still_judge(monkeypatc
     _break(monkeypatch, HostSyncCheck, "on_sync")
     weights, report = _watched(_workload, on_device=True, no_host_sync=True)
     assert torch.equal(weights, reference)
-    assert report["no_host_sync"].status == NOT_CHECKED
+    assert report["no_host_sync"].status == Status.NOT_CHECKED
     assert "torchperf internal error in check no_host_sync: RuntimeError: injected fault in on_sync" in (
         report["no_host_sync"].summary
     )
@@ -391,13 +394,13 @@ def test_no_recompiles_is_not_checked_on_a_dynamo_without_the_hook_it_reads(monk
     with watch(no_recompiles=True) as run:
         fn(torch.ones(2))
     check = run.report["no_recompiles"]  # type: ignore[index]
-    assert check.status == NOT_CHECKED
+    assert check.status == Status.NOT_CHECKED
     assert check.summary == "this torch version's dynamo has no recompilation hook torchperf knows"
 
 
 def test_a_run_is_a_guest_its_probes_are_gone_after_it() -> None:
     from pytest_torchperf.core import FLAGS, active_runs
-    from pytest_torchperf.watch import installed_probes
+    from pytest_torchperf.watching import installed_probes
 
     with watch(**{name: True for name in ("grads_set_to_none", "no_recompiles", "no_empty_cache")}) as run:
         assert isinstance(run, Run) and set(installed_probes()) >= {"tensors", "syncs", "grads", "recompiles"}

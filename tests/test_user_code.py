@@ -117,7 +117,9 @@ def test_another_project_sees_it_as_a_library_unless_named(pytester: pytest.Pyte
 
     result = pytester.runpytest("-p", "no:cacheprovider", "-rf", "--torchperf-user-packages=mypkg")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["  counted as your code: package mypkg installed in site-packages: named by --torchperf-user-packages"])
+    result.stdout.fnmatch_lines(
+        ["  counted as your code: package mypkg installed in site-packages: named by --torchperf-user-packages"]
+    )
 
     pytester.makeini("[pytest]\ntorchperf_user_packages = mypkg\n")
     result = pytester.runpytest("-p", "no:cacheprovider")

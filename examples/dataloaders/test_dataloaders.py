@@ -77,7 +77,7 @@ def reset_between_epochs(loader):
 def train(loader, epochs, run, reset):
     model = torch.nn.Linear(16, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for epoch in range(epochs):
+    for _epoch in range(epochs):
         for x, y in loader:
             with run.step():
                 loss = torch.nn.functional.mse_loss(model(x), y)

@@ -46,16 +46,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+from collections.abc import Iterator, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
-    ContextManager,
-    Iterator,
     NamedTuple,
     Optional,
     Protocol,
-    Sequence,
     cast,
 )
 
@@ -114,7 +112,7 @@ class Replay(Protocol):
     def rebuildable(self, trainer: Any) -> bool:
         """Whether the trainer can be rebuilt from those arguments (a subclass with its own ``__init__`` not)."""
 
-    def unobserved(self) -> ContextManager[None]:
+    def unobserved(self) -> contextlib.AbstractContextManager[None]:
         """Calls made inside (torchperf's own replays) are observed by no run."""
 
 
@@ -124,7 +122,7 @@ class Launchers(Protocol):
     def is_launch(self, fn: Any) -> bool:
         """``fn``, given to a function launcher, is the framework's own rank entry (it re-runs the call)."""
 
-    def observe(self, kind: str, package: str, args: tuple[Any, ...], runs: list[Any]) -> Optional["Observed"]:
+    def observe(self, kind: str, package: str, args: tuple[Any, ...], runs: list[Any]) -> Optional[Observed]:
         """The call a rank re-runs (``args``: what the launcher passed ``fn``), observed for ``runs``; not entered."""
 
 
@@ -133,11 +131,11 @@ class Adapter(Protocol):
 
     NAME: str
     PACKAGES: tuple[str, ...]
-    stage: Optional[Callable[["FrameworkCall"], Optional[Stage]]]
+    stage: Optional[Callable[[FrameworkCall], Optional[Stage]]]
     replay: Optional[Replay]
     launchers: Optional[Launchers]
 
-    def install(self, patcher: "Patcher") -> None: ...
+    def install(self, patcher: Patcher) -> None: ...
 
     def hint(self, frame: Any, op: str) -> str: ...
 
@@ -155,7 +153,7 @@ def _loaded() -> Iterator[Adapter]:
             yield cast("Adapter", module)
 
 
-def install(patcher: "Patcher") -> None:
+def install(patcher: Patcher) -> None:
     """Install every adapter of :data:`ADAPTERS` (each hooks in when its framework is imported)."""
     for name in ADAPTERS:
         adapter(name).install(patcher)
@@ -175,7 +173,7 @@ def hint(frame: Any, op: str) -> str:
     return ""
 
 
-def current_call(framework: Optional[str] = None) -> Optional["FrameworkCall"]:
+def current_call(framework: Optional[str] = None) -> Optional[FrameworkCall]:
     """The innermost framework call in flight (of ``framework``, if given), or None."""
     calls = sys.modules.get(f"{__name__}._calls")
     if calls is None:  # no adapter installed yet: no call observed

@@ -70,7 +70,7 @@ class Observed:
         self.marks_steps = current(call.framework) is None
         self._open = False
 
-    def __enter__(self) -> "Observed":
+    def __enter__(self) -> Observed:
         _CALLS.append(self.call)
         for run in self.runs:
             run.notify("on_framework_call", self.call)

@@ -35,7 +35,8 @@ import functools
 import inspect
 import sys
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
 
 from .. import core
 from ..patching import Patcher, wraps
@@ -77,7 +78,7 @@ class _Observer:
 
     def __init__(self) -> None:
         #: Trainer -> the (args, kwargs) of its ``__init__``, for Trainers built while a run was watching.
-        self.init_args: "weakref.WeakKeyDictionary[Any, tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
+        self.init_args: weakref.WeakKeyDictionary[Any, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
         #: > 0 while torchperf runs Lightning itself (timing replays): calls then pass through unobserved.
         self.unobserved = 0
 
@@ -217,12 +218,12 @@ def _attach_to_fit(patcher: Patcher, trainer: Any, model: Any, package: str, bat
         callbacks = next((n for n in _CALLBACK_DISPATCHERS if callable(getattr(owner, n, None))), None)
         module_hook = next((n for n in _MODULE_DISPATCHERS if callable(getattr(owner, n, None))), None)
         if callbacks is not None and callbacks == module_hook:
-            patcher.wrap(owner, callbacks, lambda fn: _wrap_dispatcher(fn, "both", bound))
+            patcher.wrap(owner, callbacks, functools.partial(_wrap_dispatcher, role="both", bound=bound))
             continue
         if callbacks is not None:
-            patcher.wrap(owner, callbacks, lambda fn: _wrap_dispatcher(fn, "callbacks", bound))
+            patcher.wrap(owner, callbacks, functools.partial(_wrap_dispatcher, role="callbacks", bound=bound))
         if module_hook is not None:
-            patcher.wrap(owner, module_hook, lambda fn: _wrap_dispatcher(fn, "module", bound))
+            patcher.wrap(owner, module_hook, functools.partial(_wrap_dispatcher, role="module", bound=bound))
 
 
 class ObservedCall(Observed):
@@ -237,7 +238,7 @@ class ObservedCall(Observed):
     user's passes through without torchperf frames.
     """
 
-    def __enter__(self) -> "ObservedCall":
+    def __enter__(self) -> ObservedCall:
         call = self.call
         try:
             super().__enter__()
@@ -324,7 +325,7 @@ class _Replay:
         cls = type(trainer)
         return "__init__" not in vars(cls) or cls.__module__ in _TRAINER_MODULES
 
-    def unobserved(self) -> "contextlib.AbstractContextManager[None]":
+    def unobserved(self) -> contextlib.AbstractContextManager[None]:
         return unobserved()
 
 

@@ -5,7 +5,7 @@
   batch from ``on_train_batch_start`` to ``on_train_batch_end`` (the step, its backward and the optimizer
   step), a ``with run.step():`` block, else a ``training_step`` call; the first ``warmup`` of them excluded;
 - :func:`counted_entry`: a baseline entry of one counted thing (an op on a device, a collective at a site),
-  carried in a check's figures under :data:`BASELINE_FIGURE` (see :mod:`pytest_torchperf.baseline`).
+  carried in a check's figures under :data:`BASELINE_FIGURE` (see :mod:`pytest_torchperf.glue.baseline`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class StepWindows:
     Subclasses define :meth:`window_opened` (``counted``: past warm-up) and :meth:`window_closed`.
     """
 
-    def __init__(self, run: "Run", warmup: int) -> None:
+    def __init__(self, run: Run, warmup: int) -> None:
         run.wants_batches = True  # Lightning's batch boundaries, whatever the scope
         self._run = run
         self.warmup = warmup

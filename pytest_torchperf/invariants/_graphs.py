@@ -24,9 +24,10 @@ import bisect
 import gc
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import FrameType, ModuleType
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 from ..clocks import perf_counter
 from ..frames import kind_of
@@ -370,7 +371,9 @@ def frame_locals(skip: set[int]) -> tuple[dict[int, tuple[str, str]], set[int]]:
     the invariant, and only for the user's own functions.
     """
     out: dict[int, tuple[str, str]] = {}
-    borrowed: dict[int, tuple[str, str]] = {}  # a closure's free variables: named after their owner if it is on the stack
+    borrowed: dict[
+        int, tuple[str, str]
+    ] = {}  # a closure's free variables: named after their owner if it is on the stack
     dicts: set[int] = set()
     frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:

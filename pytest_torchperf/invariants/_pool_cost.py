@@ -13,8 +13,9 @@ own loading, a small part when the pool's start is what is slow).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from time import perf_counter as _perf_counter
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from ..durations import format_seconds as fmt
 from ..probes.batches import PROBE as BATCHES

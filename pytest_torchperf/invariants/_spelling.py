@@ -149,14 +149,20 @@ def _target_text(event: Move, mover: Frame) -> tuple[str, bool]:
             func = call.func
             if event.op == "copy_" and isinstance(func, ast.Attribute):
                 return _segment(text, func.value) or "dst", True
-            arg = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg in ("device", "other")), None)
+            arg = (
+                call.args[0]
+                if call.args
+                else next((k.value for k in call.keywords if k.arg in ("device", "other")), None)
+            )
             if arg is not None:
                 return _segment(text, arg) or "device", is_tensor
     return ("x" if is_tensor else "device"), is_tensor
 
 
 def _factory_call(birth: Birth, name: Optional[str] = None) -> Optional[tuple[str, str, str, ast.Call, str]]:
-    """``(call text, function text, argument text, call node, statement text)`` of the factory call at the birth site."""
+    """``(call text, function text, argument text, call node, statement text)`` of the factory call at the birth
+    site.
+    """
     if birth.site is None:
         return None
     parsed = _statement(birth.site)
@@ -298,10 +304,16 @@ def _spell_legacy(event: Move, birth: Birth, device: str, in_lightning: bool) ->
     if found is None:
         return f"create it on the device with a factory: `torch.empty(shape, device={device}{typed})`"
     call_text, _, args_text, call, text = found
-    shape_like = call.args and all(
-        isinstance(a, ast.Constant) and isinstance(a.value, int) or isinstance(a, (ast.Name, ast.Attribute, ast.Starred))
-        for a in call.args
-    ) and not any(isinstance(a, (ast.List, ast.Tuple)) for a in call.args)
+    shape_like = (
+        call.args
+        and all(
+            isinstance(a, ast.Constant)
+            and isinstance(a.value, int)
+            or isinstance(a, (ast.Name, ast.Attribute, ast.Starred))
+            for a in call.args
+        )
+        and not any(isinstance(a, (ast.List, ast.Tuple)) for a in call.args)
+    )
     fills = _calls(ast.parse(text), ("fill_",)) if "fill_" in birth.path else []
     if shape_like and fills and fills[0].args:
         value = _segment(text, fills[0].args[0])
@@ -365,7 +377,12 @@ def spell(event: Move, mover: Frame, in_lightning: bool = False) -> str:
     retyped = is_tensor and event.op in ("type_as", "to") and event.target.dtype != event.tensor.dtype
     dtype = f", dtype=torch.{_tensors_dtype(event)}" if (converted and not operations) or retyped else ""
     sep = ", " if args else ""
-    if is_tensor and factory in _LIKE and event.op == "type_as" and tuple(event.target.shape) == tuple(event.tensor.shape):
+    if (
+        is_tensor
+        and factory in _LIKE
+        and event.op == "type_as"
+        and tuple(event.target.shape) == tuple(event.tensor.shape)
+    ):
         spelled = f"torch.{_LIKE[factory]}({target})"
     elif is_tensor and factory in _NEW_METHODS and not converted and event.op in ("type_as", "to"):
         spelled = f"{target}.{_NEW_METHODS[factory]}({args})"

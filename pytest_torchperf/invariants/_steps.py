@@ -24,7 +24,8 @@ from every 10th needs about 2/limit steps (20 for the default).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding
 from ..text import plural
@@ -181,7 +182,7 @@ def frequency(per_unit: dict[int, int], outside: int, total: int, unit: str = "s
     return ", ".join(parts) or "never"
 
 
-def extent(run: "Run") -> str:
+def extent(run: Run) -> str:
     """What the run covered, for summaries: ``"over 12 steps"``, or under scope="test" ``"in the whole test"``."""
     total = run.units
     if run.scope == "test":
@@ -207,7 +208,7 @@ def over_budget(per_units: Iterable[dict[int, int]], outside: int, budget: Optio
 
 def step_verdict(
     name: str,
-    run: "Run",
+    run: Run,
     *,
     what: str,
     failing: Sequence[Any],

@@ -107,14 +107,14 @@ class CopyHygieneCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self._patterns: dict[Any, _Pattern] = {}
         self._log = LOADERS.log_for(run, batches=True)
         self._log.contents = True
         self.copies = 0
 
-    def _add(self, kind: str, frame: Optional["FrameType"], facts: list[str]) -> None:
+    def _add(self, kind: str, frame: Optional[FrameType], facts: list[str]) -> None:
         located = locate(frame)
         if located.frame is None:
             return
@@ -153,7 +153,7 @@ class CopyHygieneCheck(Check):
         facts.append(f"read with {read.op.label} before any synchronisation")
         self._add(EARLY_READ, read.frame, facts)
 
-    def on_pin_memory(self, frame: Optional["FrameType"]) -> None:
+    def on_pin_memory(self, frame: Optional[FrameType]) -> None:
         self._add(PIN_IN_STEP, frame, [])
 
     # -- verdict -------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ class CopyHygieneCheck(Check):
         return CheckResult(NAME, PASSED, f"{what} {extent(run)}", 0, findings, figures)
 
 
-def _where(frame: Optional["FrameType"]) -> str:
+def _where(frame: Optional[FrameType]) -> str:
     located = locate(frame)
     if located.frame is None:
         return ""

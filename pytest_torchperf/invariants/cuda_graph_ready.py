@@ -143,7 +143,7 @@ class CudaGraphReadyCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self._blockers: dict[Any, _Blocker] = {}
         self._log = LOADERS.log_for(run, batches=True)

@@ -98,7 +98,7 @@ class GpuSettingsCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.target = run.options.gpu_settings
         self.min_steps: int = run.options.gpu_settings_min_steps

@@ -55,7 +55,7 @@ class GradsCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.events: dict[str, list[Site]] = {ZERO_GRAD: [], MANUAL: []}
         self.shapes: set[str] = set()
@@ -63,7 +63,7 @@ class GradsCheck(Check):
         self.steps_reusing_grads = 0
         self.most_reused = 0
         self._first_reuse: Optional[Stack] = None
-        self._previous: "weakref.WeakKeyDictionary[Any, list[Optional[weakref.ref]]]" = weakref.WeakKeyDictionary()
+        self._previous: weakref.WeakKeyDictionary[Any, list[Optional[weakref.ref]]] = weakref.WeakKeyDictionary()
 
     # -- events ------------------------------------------------------------------------
     def on_zero_grad(self, owner: str, stack: Stack) -> None:

@@ -64,7 +64,7 @@ class CollectivesCheck(StepWindows, Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         Check.__init__(self, run)
         StepWindows.__init__(self, run, run.options.count_warmup_steps)
         self.budget = run.options.max_collectives_per_step

@@ -50,7 +50,7 @@ class DataWaitCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.limit = float(run.options.max_data_wait)
         self.target_text: Optional[str] = run.options.target_step_time

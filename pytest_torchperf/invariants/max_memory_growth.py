@@ -39,7 +39,7 @@ class MemoryGrowthCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.budget: int = run.options.max_memory_growth
         self.memory = MemoryTrace()

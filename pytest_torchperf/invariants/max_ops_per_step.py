@@ -10,7 +10,7 @@ twice.
 
 The value is a budget (``max_ops_per_step=400``: the heaviest counted step may
 run at most 400 ops) or ``"baseline"``: every op's count per step becomes an
-entry of the baseline file (:mod:`pytest_torchperf.baseline`) per test, op and
+entry of the baseline file (:mod:`pytest_torchperf.glue.baseline`) per test, op and
 device type; a count that grew fails, naming the op, both counts and the line
 that issued most of them, and a count that shrank is reported so that
 ``--torchperf-baseline-update`` lowers it.
@@ -66,7 +66,7 @@ class OpsCheck(StepWindows, Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         Check.__init__(self, run)
         StepWindows.__init__(self, run, run.options.count_warmup_steps)
         self.budget = run.options.max_ops_per_step

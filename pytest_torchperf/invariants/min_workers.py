@@ -32,7 +32,7 @@ class MinWorkersCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.minimum = int(run.options.min_workers or 1)
         self.log = LOADERS.log_for(run, batches=True)

@@ -60,7 +60,7 @@ class PrecisionCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.autocast_regions = 0
         self.autocast_dtypes: set[str] = set()

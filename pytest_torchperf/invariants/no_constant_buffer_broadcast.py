@@ -57,7 +57,7 @@ class ConstantBufferCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.context = Context()
         #: id(ddp) -> what its broadcasts showed (no reference to the module: a rank must free it).

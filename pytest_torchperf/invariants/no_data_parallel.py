@@ -11,8 +11,8 @@ dropped its ``"dp"`` strategy.
 Seen three ways, so it is caught on a CPU-only machine (where
 ``DataParallel`` just calls the module):
 
-- ``DataParallel.forward`` is wrapped (:mod:`pytest_torchperf.probes.data_parallel`): every forward pass of any instance is
-  counted (a Lightning 1.x ``"dp"`` strategy's wrapper included), with the line
+- ``DataParallel.forward`` is wrapped (:mod:`pytest_torchperf.probes.data_parallel`): every forward pass
+  of any instance is counted (a Lightning 1.x ``"dp"`` strategy's wrapper included), with the line
   that called it;
 - ``DataParallel.__init__`` is wrapped: an instance built during the run has
   its creation site; one that is never run (no forward pass, not driven, not in
@@ -75,7 +75,7 @@ class DataParallelCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self._instances: dict[int, _Instance] = {}
         self.strategies: list[str] = []

@@ -31,9 +31,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Callable, TypedDict
 
-from .. import trace
 from ..arguments import Argument, Flag
 from ..core import Check
+from ..glue import trace
 from ..probes import debug_modes
 from ..probes import graphs as graph_probe
 from ..registry import Invariant
@@ -78,7 +78,7 @@ class DebugModesCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.allow_deterministic: bool = run.options.allow_deterministic
         self.modes: dict[str, _Mode] = {}
@@ -90,7 +90,7 @@ class DebugModesCheck(Check):
         #: ``CUDA_LAUNCH_BLOCKING`` was set when the run started (read again when it ends).
         self._launch_blocking = debug_modes.launch_blocking()
 
-    def step_polls(self) -> "tuple[tuple[Callable[[], object], Callable[[], None]], ...]":
+    def step_polls(self) -> tuple[tuple[Callable[[], object], Callable[[], None]], ...]:
         """Each switch is read as every step starts: torch's own C functions, no Python call of ours a step."""
         return (
             (self._anomaly, self._anomaly_on),

@@ -61,7 +61,7 @@ class EmptyCacheCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.limit: float = run.options.max_empty_cache_rate
         self.sites: dict[Any, _CallSite] = {}
@@ -96,10 +96,13 @@ class EmptyCacheCheck(Check):
                 "epoch, once) costs the steps little: a note, not a failure; max_empty_cache_rate=0 fails on it"
             ]
             return Finding(title, facts, [Site(label, site.stack, site.count)], "")
-        title = f"{label} {times(site.count)} by your code during the run: {frequency(site.per_unit, site.outside, total, unit)}"
+        title = (f"{label} {times(site.count)} by your code during the run: "
+                 f"{frequency(site.per_unit, site.outside, total, unit)}")
         facts = []
         if self.run.steps:
-            facts.append(f"{sum(site.per_unit.values())} of these calls inside a training step ({self.run.steps} steps ran)")
+            facts.append(
+                f"{sum(site.per_unit.values())} of these calls inside a training step ({self.run.steps} steps ran)"
+            )
         if self.framework:
             facts.append(f"the framework made {times(len(self.framework))} more (not counted)")
         return Finding(title, facts, [Site(label, site.stack, site.count)], _HINT)
@@ -161,7 +164,8 @@ INVARIANT = Invariant(
             Fraction(),
             DEFAULT_RATE,
             "no_empty_cache notes, without failing, a call of your code made periodically: after its first "
-            "step in each epoch, in at most this share of the steps, at most once per epoch, or once; 0 fails on every call",
+            "step in each epoch, in at most this share of the steps, at most once per epoch, or once; 0 fails on every "
+            "call",
             meaning="the largest share of the steps a periodic empty_cache() call may take",
         ),
     ),

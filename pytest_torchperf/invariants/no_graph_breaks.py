@@ -104,7 +104,7 @@ class GraphBreakCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.limit: int = run.options.max_graph_breaks
         self.compiles = 0

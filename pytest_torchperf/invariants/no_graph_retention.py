@@ -99,7 +99,7 @@ class _Sentinel:
 @dataclass
 class _Tagged:
     step: int
-    ref: "weakref.ref[_Sentinel]"
+    ref: weakref.ref[_Sentinel]
     #: Optimizer steps seen when the step was tagged: it is judged once one more has run.
     optimizer_steps: int
     #: Backward passes seen when the step was tagged (its own included): in a run without an optimizer
@@ -195,7 +195,7 @@ class GraphRetentionCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.key = f"torchperf.{NAME}.{id(self):x}"
         self._sequence = sequence_now()

@@ -210,7 +210,7 @@ class HostSyncCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.allow = AllowList(run.options.allowed_syncs)
         self.strict = run.options.fail_on_framework_syncs
@@ -280,7 +280,9 @@ class HostSyncCheck(Check):
             facts.append(f"synchronised on {', '.join(sorted(site.devices - {WOULD}))} "
                          f"(confirmed {site.confirmed}x by torch.cuda.set_sync_debug_mode)")
         elif site.would_only:
-            facts.append("on this CPU-only run: would synchronise on an accelerator (the tensor is not one built on the host)")
+            facts.append(
+                "on this CPU-only run: would synchronise on an accelerator (the tensor is not one built on the host)"
+            )
         else:
             facts.append(f"synchronises on {', '.join(sorted(site.devices - {WOULD}))}")
         if site.cadence is not None and not site.allowed_by:
@@ -302,7 +304,9 @@ class HostSyncCheck(Check):
             owner = owner_label(site.frame)
             rule = classify.rule(site.frame.filename)
             if self.strict and site.cadence is None:
-                facts.append(f"made by {owner}, not by your code ({rule}; failing because fail_on_framework_syncs=True)")
+                facts.append(
+                    f"made by {owner}, not by your code ({rule}; failing because fail_on_framework_syncs=True)"
+                )
             else:
                 facts.append(f"made by {owner}, not by your code ({rule}): a note, not a failure"
                              + ("" if self.strict else " (fail_on_framework_syncs=True fails on it)"))

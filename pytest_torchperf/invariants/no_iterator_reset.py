@@ -113,7 +113,7 @@ class IteratorResetCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self._segment = 0
         self._clock = 0

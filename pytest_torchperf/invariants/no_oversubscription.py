@@ -59,7 +59,7 @@ class OversubscriptionCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.main = 0
         #: id(loader) -> (num_workers, persistent) of the loaders whose worker pools started.

@@ -131,7 +131,7 @@ class RecompileCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.log = LOADERS.log_for(run)
         self.compiles = 0

@@ -46,7 +46,7 @@ class SyncAccumulationCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.context = Context()
         self.micro_batches = 0  # in the current optimizer step
@@ -166,7 +166,10 @@ class SyncAccumulationCheck(Check):
             f"each of them; only the last micro-batch's backward needs to sync",
         ]
         if self.grad_bytes:
-            facts.append(f"each round all-reduces {_bytes(self.grad_bytes)} of gradients: {_bytes(self.grad_bytes * extra)} sent for nothing")
+            facts.append(
+                f"each round all-reduces {_bytes(self.grad_bytes)} of gradients: {_bytes(self.grad_bytes * extra)} "
+                "sent for nothing"
+            )
         sites = [Site("an extra all-reduce armed by this forward", self.first_extra)] if self.first_extra else []
         if fsdp_only:
             sites = [Site("an extra reduce-scatter after this backward", self.first_extra)] if self.first_extra else []
@@ -201,7 +204,8 @@ class SyncAccumulationCheck(Check):
                 "`with optimizer.toggle_model(sync_grad=False):` (optimizer = self.optimizers())"
             )
         if ctx.lightning:
-            return "let Lightning accumulate: Trainer(accumulate_grad_batches=N) skips the all-reduce of the first N-1 micro-batches"
+            return ("let Lightning accumulate: Trainer(accumulate_grad_batches=N) skips the all-reduce of the first "
+                    "N-1 micro-batches")
         return (
             "run the forward and backward of every micro-batch but the last under `with model.no_sync():` "
             "(Fabric: `with fabric.no_backward_sync(model, enabled=is_accumulating):`)"

@@ -45,7 +45,9 @@ class _Module:
 
     def __init__(self, ddp: Any) -> None:
         self.ref = weakref.ref(ddp)
-        self.searching = bool(getattr(ddp, "find_unused_parameters", False)) and not bool(getattr(ddp, "static_graph", False))
+        self.searching = bool(getattr(ddp, "find_unused_parameters", False)) and not bool(
+            getattr(ddp, "static_graph", False)
+        )
         self.created: Optional[Stack] = PROBE.created.get(ddp)
         self.first_forward: Optional[Stack] = None
         self.description = f"DistributedDataParallel({type(ddp.module).__name__})"
@@ -70,7 +72,7 @@ class UnusedParametersCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.context = Context()
         self._modules: dict[int, _Module] = {}
@@ -139,9 +141,13 @@ class UnusedParametersCheck(Check):
             "modules": [],
         }
         if not modules:
-            return CheckResult(NAME, NOT_CHECKED, "no DistributedDataParallel forward pass in this process", 0, [], figures)
+            return CheckResult(
+                NAME, NOT_CHECKED, "no DistributedDataParallel forward pass in this process", 0, [], figures
+            )
         if not searching:
-            return CheckResult(NAME, PASSED, "DDP does not search for unused parameters (find_unused_parameters=False)", 0, [], figures)
+            return CheckResult(
+                NAME, PASSED, "DDP does not search for unused parameters (find_unused_parameters=False)", 0, [], figures
+            )
         failing: list[Finding] = []
         notes: list[Finding] = []
         unchecked: list[str] = []
@@ -166,18 +172,25 @@ class UnusedParametersCheck(Check):
             else:
                 sites = []
             if not unused:
-                failing.append(Finding(
-                    f"{rec.description} searched for unused parameters after each of {plural(rec.iterations, 'iteration')}, "
-                    f"and all {len(counts)} parameters got a gradient on every rank every time",
-                    [
-                        "find_unused_parameters=True walks the autograd graph from the outputs after every forward pass",
-                        f"world size {rec.world}: each parameter's gradient came from all {rec.world} ranks in every iteration",
-                    ],
-                    sites,
-                    self._hint(),
-                ))
+                failing.append(
+                    Finding(
+                        f"{rec.description} searched for unused parameters after each of "
+                        f"{plural(rec.iterations, 'iteration')}, "
+                        f"and all {len(counts)} parameters got a gradient on every rank every time",
+                        [
+                            "find_unused_parameters=True walks the autograd graph from the outputs after every forward "
+                            "pass",
+                            f"world size {rec.world}: each parameter's gradient came from all {rec.world} ranks in "
+                            "every iteration",
+                        ],
+                        sites,
+                        self._hint(),
+                    )
+                )
             else:
-                listed = ", ".join(f"{n} ({'never' if c == 0 else f'on {c} of {rec.world} ranks'})" for n, c in unused[:8])
+                listed = ", ".join(
+                    f"{n} ({'never' if c == 0 else f'on {c} of {rec.world} ranks'})" for n, c in unused[:8]
+                )
                 more = f" and {len(unused) - 8} more" if len(unused) > 8 else ""
                 notes.append(Finding(
                     f"note: {rec.description} needs the search: {plural(len(unused), 'parameter')} got no gradient "
@@ -199,7 +212,12 @@ class UnusedParametersCheck(Check):
             return CheckResult(NAME, NOT_CHECKED, "; ".join(unchecked), 0, [], figures)
         unused_total = sum(len(m["unused_parameters"]) for m in figures["modules"])
         return CheckResult(
-            NAME, PASSED, f"the search is needed: {plural(unused_total, 'parameter')} went without a gradient", 0, notes, figures
+            NAME,
+            PASSED,
+            f"the search is needed: {plural(unused_total, 'parameter')} went without a gradient",
+            0,
+            notes,
+            figures,
         )
 
     def _hint(self) -> str:

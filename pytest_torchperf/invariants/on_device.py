@@ -231,7 +231,7 @@ class DevicePlacementCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.allow = AllowList(run.options.allowed_copies)
         TENSORS.want_functions(self.allow.function_names)
@@ -357,8 +357,11 @@ class DevicePlacementCheck(Check):
         else:
             facts.append("on this CPU-only run the move is a no-op; on a GPU it is a host-to-device copy each time")
         if copy.cadence is not None and copy.by_user and not copy.allowed_by:
-            what = {"periodic": f"after its first step in each epoch, in at most {self.limit:g} of the steps",
-                    "once per epoch": "at most once per epoch", "once": "once in the run (like a tensor built lazily in the first step and kept)"}
+            what = {
+                "periodic": f"after its first step in each epoch, in at most {self.limit:g} of the steps",
+                "once per epoch": "at most once per epoch",
+                "once": "once in the run (like a tensor built lazily in the first step and kept)",
+            }
             facts.append(f"copied {what[copy.cadence]}: a note, not a failure (max_copy_rate={self.limit:g}; "
                          "0 fails on it)")
         if copy.judged and copy.input_data:
@@ -497,7 +500,8 @@ INVARIANT = Invariant(
             Fraction(),
             DEFAULT_RATE,
             "on_device notes, without failing, a copy made periodically: after its first step in each epoch, in "
-            "at most this share of the steps, at most once per epoch, or once (a tensor built lazily in the first step and "
+            "at most this share of the steps, at most once per epoch, or once (a tensor built lazily in the first step "
+            "and "
             "kept); 0 fails on every copy",
             meaning="the largest share of the steps a periodic copy may take",
         ),

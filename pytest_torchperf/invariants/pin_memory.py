@@ -38,7 +38,7 @@ class PinMemoryCheck(Check):
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.log = LOADERS.log_for(run, batches=True)
         #: Device type -> optimizer steps of parameters on it.

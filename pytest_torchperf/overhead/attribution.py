@@ -120,7 +120,9 @@ def _is_base_hook(obj: Any, hook: str) -> bool:
 
 
 def attribution(replay: Any) -> list[_Hook]:
-    """The profiled actions of ``replay`` (a :class:`~.replay.Replay`) with no counterpart in the vanilla loop, most time per batch first."""
+    """The profiled actions of ``replay`` (a :class:`~.replay.Replay`) with no counterpart in the vanilla loop, most
+    time per batch first.
+    """
     n = replay.profiled_batches
     if not n or not replay.actions:
         return []

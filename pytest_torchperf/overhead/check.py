@@ -35,7 +35,7 @@ class OverheadCheck:
 
     name = NAME
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.run = run
         self.fits: list[ObservedFit] = []
         #: Training calls of other frameworks (``Trainer.train``...), which have no vanilla loop to time against.
@@ -153,11 +153,13 @@ class OverheadCheck:
             summary += f" (worst of {len(outcomes)} fits)"
         return CheckResult(NAME, PASSED, summary, 0, [], figures)
 
-    def _check_fit(self, fit: ObservedFit) -> "_Outcome":
+    def _check_fit(self, fit: ObservedFit) -> _Outcome:
         site = Site(f"{fit.label} called", fit.stack)
         base = {"fit": fit.index, "module": fit.module_name, "site": site.frame.location() if site.frame else None}
         if not fit.finished:
-            fit.refusals.insert(0, "the fit did not finish (it raised or was interrupted), so there is nothing to replay")
+            fit.refusals.insert(
+                0, "the fit did not finish (it raised or was interrupted), so there is nothing to replay"
+            )
         if fit.refusals:
             return _refusal(fit, site, fit.refusals, base)
         options = self.run.options
@@ -219,7 +221,9 @@ class _Outcome:
     parity: Optional[ParityResult] = None
 
 
-def _refusal(fit: ObservedFit, site: Site, reasons: list[str], base: dict[str, Any], sites: Optional[list[Site]] = None) -> _Outcome:
+def _refusal(
+    fit: ObservedFit, site: Site, reasons: list[str], base: dict[str, Any], sites: Optional[list[Site]] = None
+) -> _Outcome:
     title = f"{fit.label} cannot be compared with a vanilla loop, so max_overhead was not measured"
     facts = [f"- {r}" for r in reasons]
     hint = (

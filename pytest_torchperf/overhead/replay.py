@@ -22,8 +22,9 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from .. import frameworks
 from ..clocks import perf_counter
@@ -455,7 +456,9 @@ def _replay_trainer_kwargs(
         named.pop(key, None)
     callbacks_module = importlib.import_module(f"{fit.package}.callbacks")
     excluded_types = tuple(
-        c for c in (getattr(callbacks_module, "ModelCheckpoint", None), getattr(callbacks_module, "EarlyStopping", None)) if c
+        c
+        for c in (getattr(callbacks_module, "ModelCheckpoint", None), getattr(callbacks_module, "EarlyStopping", None))
+        if c
     )
     user_callbacks = fit.callbacks
     if user_callbacks is None:
@@ -499,7 +502,9 @@ def _replay_fit_kwargs(fit: ObservedFit, module: Any, notes: list[str]) -> dict[
     named["model"] = module
     for key in ("ckpt_path", "weights_only"):
         if named.pop(key, None) is not None and key == "ckpt_path":
-            notes.append("ckpt_path is not restored: both loops start from the weights the module had when fit was called")
+            notes.append(
+                "ckpt_path is not restored: both loops start from the weights the module had when fit was called"
+            )
     return named
 
 

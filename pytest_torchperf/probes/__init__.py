@@ -24,8 +24,9 @@ Built-in probes are the modules of this package, each with a ``PROBE``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import core
 from ..patching import wraps
@@ -48,7 +49,7 @@ class Probe:
     needs: tuple[str, ...] = ()
     #: Events this probe sends beyond :data:`pytest_torchperf.core.EVENTS` (name -> what a handler receives):
     #: the checks of the invariants that use the probe may define them.
-    events: "Mapping[str, Any]" = {}
+    events: Mapping[str, Any] = {}
     #: :meth:`install` builds the same wrappers every time: closures over the probe and over state it keeps
     #: in place (read when called), nothing install reads once. The engine then keeps them for the next watch
     #: (:meth:`~pytest_torchperf.patching.Patcher.reusing`, scoped by the probe): a wrapper is built again
@@ -61,7 +62,7 @@ class Probe:
         #: Taken out after a failure: its hooks still registered until the run ends do nothing.
         self.disabled = False
 
-    def install(self, patcher: "Patcher") -> None:  # pragma: no cover - abstract
+    def install(self, patcher: Patcher) -> None:  # pragma: no cover - abstract
         """Patch what the probe watches through ``patcher`` (undone by ``patcher.undo()``)."""
         raise NotImplementedError
 
@@ -199,17 +200,17 @@ class ModuleProbe(Probe):
         super().reset()
         self.attached = None
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         """Attach to :attr:`module` now if it is imported, else as soon as it is; undone by ``patcher``."""
         self.reset()
         patcher.callback(self.reset, deferred=True)
         patcher.on_import(self.module, guard(self, lambda module: self._attach(patcher, module)))
 
-    def _attach(self, patcher: "Patcher", module: Any) -> None:
+    def _attach(self, patcher: Patcher, module: Any) -> None:
         raise NotImplementedError
 
 
-def relocate_warnings(patcher: "Patcher") -> None:
+def relocate_warnings(patcher: Patcher) -> None:
     """Show a warning torch raises inside one of the wrappers at the caller's line, not the wrapper's.
 
     A warning raised by C code (``float()`` of a tensor that requires grad,

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterator
 from types import CodeType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from ..stacks import Frame
 
@@ -36,7 +37,7 @@ _RESUME = "__resume_at_"
 _RESUME_NAME = "torch_dynamo_resume_in_"
 
 #: Root code object dynamo compiled -> the breaks torchperf saw while compiling it (any watch, any test).
-KNOWN: "weakref.WeakKeyDictionary[CodeType, list[Any]]" = weakref.WeakKeyDictionary()
+KNOWN: weakref.WeakKeyDictionary[CodeType, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def remember(code: Optional[CodeType], event: Any) -> None:

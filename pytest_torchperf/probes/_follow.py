@@ -82,7 +82,7 @@ SKIP_METHODS = frozenset((
     "masked_fill", "triu", "tril", "float", "double", "half", "bfloat16", "long", "int", "short", "bool",
     "byte", "char", "cfloat", "cdouble", "sum_to_size", "data", "grad", "is_leaf",
 ))
-def method_names(tensor_type: Any, skip: "frozenset[str] | set[str]") -> list[str]:
+def method_names(tensor_type: Any, skip: frozenset[str] | set[str]) -> list[str]:
     """The public, non in-place Tensor methods to wrap (the ones returning a new tensor)."""
     names = []
     for name in dir(tensor_type):
@@ -99,7 +99,7 @@ def method_names(tensor_type: Any, skip: "frozenset[str] | set[str]") -> list[st
     return names
 
 
-def function_names(torch: Any, skip: "frozenset[str] | set[str]") -> list[str]:
+def function_names(torch: Any, skip: frozenset[str] | set[str]) -> list[str]:
     """The ``torch`` functions to wrap: :data:`PY_FUNCTIONS` and :data:`TABLE_MATH`.
 
     Torch's other operators (``torch.lt``, ``torch.add``, ``torch.relu``...) are followed through their Tensor
@@ -123,8 +123,8 @@ def _sources(args: tuple[Any, ...], kwargs: dict[str, Any], tensor_type: Any) ->
     return found
 
 
-def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any, skip_methods: "set[str]",
-            skip_functions: "set[str]") -> None:
+def install(probe: HostRegistry, patcher: Patcher, torch: Any, dispatch: Any, skip_methods: set[str],
+            skip_functions: set[str]) -> None:
     """Wrap the methods and functions above so their results keep host provenance; undone by ``patcher``."""
     tensor_type = torch.Tensor
     flags = FLAGS

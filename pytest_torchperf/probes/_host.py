@@ -82,7 +82,7 @@ class Birth:
     #: ``device="cpu"`` written out, or ``pin_memory=True``: placed on the host on purpose.
     explicit: bool
     #: ``(run, unit)`` for each run whose step checks applied at birth (unit None: between steps).
-    in_scope: tuple[tuple["Run", Optional[int]], ...]
+    in_scope: tuple[tuple[Run, Optional[int]], ...]
     #: The factory call's ``shape``/``dtype`` for the hint.
     shape: tuple[int, ...] = ()
     dtype: str = ""
@@ -107,14 +107,14 @@ class Birth:
     #: copies it a second time, where ``torch.as_tensor(a, device=dev)`` copies once.
     copied: bool = False
 
-    def in_scope_of(self, run: "Run") -> bool:
+    def in_scope_of(self, run: Run) -> bool:
         return any(r is run for r, _ in self.in_scope)
 
-    def unit_in(self, run: "Run") -> Optional[int]:
+    def unit_in(self, run: Run) -> Optional[int]:
         """The step of ``run`` the tensor was born in (None: between steps or not in its scope)."""
         return next((unit for r, unit in self.in_scope if r is run), None)
 
-    def derived(self, step: str) -> "Birth":
+    def derived(self, step: str) -> Birth:
         path = self.path if self.path and self.path[-1] == step else self.path + (step,)
         return Birth(
             self.factory, self.caller_kind, self.site, self.stack, self.explicit, self.in_scope,
@@ -160,7 +160,7 @@ class HostRegistry:
         #: Function names some run's allow-list names: a birth inside one of them remembers it.
         self.functions: set[str] = set()
         #: Modules moved to a device target while watched (``module.to(dev)``, ``.cuda()``, Lightning's move).
-        self.moved_modules: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.moved_modules: weakref.WeakSet[Any] = weakref.WeakSet()
         self.stacks = StackCache()
         self.tensor_type: Any = None
         self.device_type: Any = None
@@ -264,7 +264,7 @@ class HostRegistry:
             self.remember(tensor, own)
         self.no_longer_host(tensor, own, with_module)
 
-    def want_functions(self, names: "set[str] | frozenset[str]") -> None:
+    def want_functions(self, names: set[str] | frozenset[str]) -> None:
         """Births inside functions of these names remember them (for allow-list entries naming a function)."""
         self.functions.update(names)
 
@@ -305,7 +305,7 @@ class HostRegistry:
 
     # -- births ----------------------------------------------------------------------------
     def site_birth(self, name: str, out: Any, site: FrameType, kind: str, explicit: bool, data: str = "") -> Birth:
-        scope: tuple[tuple["Run", Optional[int]], ...] = ()
+        scope: tuple[tuple[Run, Optional[int]], ...] = ()
         if FLAGS.in_scope:
             scope = tuple((run, run.unit) for run in core.runs_in_scope())
         # keyed by the site and the line that called it: a helper that builds the tensor, called once at one
@@ -324,7 +324,9 @@ class HostRegistry:
             birth.functions = function_names(site, self.functions)
         return birth
 
-    def born(self, name: str, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], frame: Optional[FrameType]) -> None:
+    def born(
+        self, name: str, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], frame: Optional[FrameType]
+    ) -> None:
         tensor_type = self.tensor_type
         if not isinstance(out, tensor_type):
             return
@@ -355,7 +357,9 @@ class HostRegistry:
         self.remember(out, birth)
 
     def data_to_device(self, name: str, out: Any, data: Any, device: Any, frame: Optional[FrameType]) -> None:
-        """``torch.tensor(<python data>, device=dev)`` in a step: host memory copied to the device (blocking on CUDA)."""
+        """``torch.tensor(<python data>, device=dev)`` in a step: host memory copied to the device (blocking on
+        CUDA).
+        """
         site = caller(frame)
         if site is None:
             return
@@ -395,7 +399,9 @@ class HostRegistry:
     def tell(self, event: Move) -> None:
         core.notify("on_move", event, in_scope=True)
 
-    def on_move(self, op: str, tensor: Any, target: Any, out: Any, frame: Optional[FrameType], told: bool = False) -> None:
+    def on_move(
+        self, op: str, tensor: Any, target: Any, out: Any, frame: Optional[FrameType], told: bool = False
+    ) -> None:
         """After a move: tell the checks in scope and update the registry.
 
         ``told``: the checks already heard of this move (``.cuda()`` tells them
@@ -452,7 +458,7 @@ def describe_data(birth: Birth, data: Any, copies: bool) -> None:
             birth.content = hash((len(data), tuple(flat)))
 
 
-def _flattened(data: "list[Any] | tuple[Any, ...]") -> list[Any]:
+def _flattened(data: list[Any] | tuple[Any, ...]) -> list[Any]:
     """The leaves of nested lists and tuples, stopping once past 4096 of them (a longer result means "too many")."""
     flat: list[Any] = []
     stack = [data]

@@ -93,7 +93,7 @@ _LABELS = {
 }
 
 
-def install(probe: "HostRegistry", patcher: "Patcher", torch: Any, dispatch: Any) -> None:
+def install(probe: HostRegistry, patcher: Patcher, torch: Any, dispatch: Any) -> None:
     """Patch the operations above so their results keep host provenance; undone by ``patcher``."""
     tensor_type = torch.Tensor
     flags = FLAGS
@@ -393,11 +393,11 @@ class LegacySites(_PerLine):
     """Which lines call one of ``calls`` on a tensor a legacy constructor (``torch.FloatTensor(...)``) built:
     ``(constructor, path, the line that built it, the name it is reached through)`` or None."""
 
-    def __init__(self, calls: "frozenset[str] | tuple[str, ...]") -> None:
+    def __init__(self, calls: frozenset[str] | tuple[str, ...]) -> None:
         super().__init__()
         self.calls = frozenset(calls)
 
-    def _read(self, code: CodeType, lineno: int) -> Optional["LegacySite"]:
+    def _read(self, code: CodeType, lineno: int) -> Optional[LegacySite]:
         tree = _statement_at(code.co_filename, lineno)
         if tree is None:
             return None
@@ -443,7 +443,7 @@ class LegacySites(_PerLine):
         return best
 
 
-def legacy_birth(probe: "HostRegistry", sites: LegacySites, frame: Optional[FrameType], tensor: Any) -> Optional[Birth]:
+def legacy_birth(probe: HostRegistry, sites: LegacySites, frame: Optional[FrameType], tensor: Any) -> Optional[Birth]:
     """The birth of ``tensor`` moved at ``frame`` when the source there shows a legacy constructor built it."""
     site = caller(frame)
     if site is None or tensor.device.type != "cpu":

@@ -24,7 +24,7 @@ __all__ = ["AutocastProbe", "PROBE"]
 class AutocastProbe(Probe):
     name = "autocast"
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         import torch.amp.autocast_mode as autocast_mode
 
         self.reset()

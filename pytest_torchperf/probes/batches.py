@@ -156,13 +156,13 @@ class BatchesProbe(Probe):
 
     def __init__(self) -> None:
         super().__init__()
-        self.loaders: "weakref.WeakKeyDictionary[Any, LoaderTimes]" = weakref.WeakKeyDictionary()
+        self.loaders: weakref.WeakKeyDictionary[Any, LoaderTimes] = weakref.WeakKeyDictionary()
         #: id(iterator) -> the pass whose batches are being timed.
         self.timed: dict[int, Pass] = {}
         #: The runs that time every batch (not only each pass's first).
-        self.every_batch: "weakref.WeakSet[Run]" = weakref.WeakSet()
+        self.every_batch: weakref.WeakSet[Run] = weakref.WeakSet()
         #: Run -> the passes begun while it was active, with their loaders (see :meth:`passes_for`).
-        self.listeners: "weakref.WeakKeyDictionary[Run, list[tuple[LoaderInfo, Pass]]]" = weakref.WeakKeyDictionary()
+        self.listeners: weakref.WeakKeyDictionary[Run, list[tuple[LoaderInfo, Pass]]] = weakref.WeakKeyDictionary()
         #: The pass whose single-process ``__next__`` is running (its fetch is timed).
         self.fetching: Optional[Pass] = None
         #: The slot of the pool being started; in a worker process, the slot of its own pool.
@@ -182,7 +182,7 @@ class BatchesProbe(Probe):
         self.forking = -1
 
     # -- what checks read -----------------------------------------------------------------
-    def every_batch_for(self, run: "Run") -> list[tuple[LoaderInfo, "Pass"]]:
+    def every_batch_for(self, run: Run) -> list[tuple[LoaderInfo, Pass]]:
         """Time every batch while ``run`` is active; returns the list the passes it sees are added to
         (checks ask in their ``__init__``)."""
         self.every_batch.add(run)
@@ -263,7 +263,7 @@ class BatchesProbe(Probe):
         self.timed[id(iterator)] = p
 
     # -- install ----------------------------------------------------------------------------
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         """Patch the DataLoader machinery for the active runs; undone by ``patcher``."""
         from torch.utils.data import dataloader as dl
         from torch.utils.data._utils import fetch as fetch_mod

@@ -69,7 +69,7 @@ class CollectivesProbe(Probe):
         super().__init__()
         self._local = threading.local()
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         import torch
 
         self.reset()

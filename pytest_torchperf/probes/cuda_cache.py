@@ -25,7 +25,7 @@ __all__ = ["CudaCacheProbe", "PROBE"]
 class CudaCacheProbe(Probe):
     name = "cuda_cache"
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         import torch.cuda
         import torch.cuda.memory
 

@@ -38,13 +38,13 @@ class DataParallelProbe(Probe):
 
     def __init__(self) -> None:
         super().__init__()
-        self.created: "weakref.WeakKeyDictionary[Any, Stack]" = weakref.WeakKeyDictionary()
+        self.created: weakref.WeakKeyDictionary[Any, Stack] = weakref.WeakKeyDictionary()
 
     def reset(self) -> None:
         super().reset()
         self.created.clear()
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         import torch
 
         self.reset()

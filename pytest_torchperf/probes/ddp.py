@@ -59,13 +59,13 @@ class DDPProbe(Probe):
     def __init__(self) -> None:
         super().__init__()
         #: DDP instance -> the stack where it was built (while a run watched).
-        self.created: "weakref.WeakKeyDictionary[Any, Stack]" = weakref.WeakKeyDictionary()
+        self.created: weakref.WeakKeyDictionary[Any, Stack] = weakref.WeakKeyDictionary()
 
     def reset(self) -> None:
         super().reset()
         self.created.clear()
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         import torch
 
         self.reset()

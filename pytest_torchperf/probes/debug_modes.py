@@ -39,7 +39,7 @@ class DebugModesProbe(Probe):
         super().reset()
         self.turned_on = {}
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         import torch
 
         self.reset()

@@ -29,11 +29,11 @@ _FSDP_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 class FSDPProbe(Probe):
     name = "fsdp"
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         self.reset()
         patcher.on_import(_FSDP_GROUP, lambda module: self._patch_fsdp(patcher, module))
 
-    def _patch_fsdp(self, patcher: "Patcher", module: Any) -> None:
+    def _patch_fsdp(self, patcher: Patcher, module: Any) -> None:
         group = getattr(module, "FSDPParamGroup", None)
         methods = vars(group) if group is not None else {}
         if not callable(methods.get("post_backward")) or not callable(methods.get("pre_forward")):

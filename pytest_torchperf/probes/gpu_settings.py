@@ -43,7 +43,7 @@ class GpuSettingsProbe(Probe):
         self.precision_set = None
         self.precision_value = None
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         import torch
         import torch.nn.functional as F
 

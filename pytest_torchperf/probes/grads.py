@@ -43,9 +43,9 @@ class GradsProbe(Probe):
     def reset(self) -> None:
         super().reset()
         #: Gradient storage address -> (parameter, gradient shape), rebuilt lazily (see :meth:`index`).
-        self.grad_owners: "dict[int, tuple[weakref.ref, tuple]]" = {}
+        self.grad_owners: dict[int, tuple[weakref.ref, tuple]] = {}
         #: The optimizers that stepped while a run checked this invariant.
-        self.optimizers_seen: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.optimizers_seen: weakref.WeakSet[Any] = weakref.WeakSet()
         #: Optimizer steps seen, and the step count when ``grad_owners`` was last built.
         self.generation = 0
         self.indexed_at = -1
@@ -53,7 +53,7 @@ class GradsProbe(Probe):
         self.inside_zero_grad = 0
         self.strided: Any = None
 
-    def index(self) -> "dict[int, tuple[weakref.ref, tuple]]":
+    def index(self) -> dict[int, tuple[weakref.ref, tuple]]:
         """The gradient index, rebuilt once per optimizer step, when a ``zero_`` call first needs it."""
         if self.indexed_at != self.generation:
             self.indexed_at = self.generation
@@ -67,7 +67,7 @@ class GradsProbe(Probe):
                             self.grad_owners[ptr] = (weakref.ref(p), tuple(grad.shape))
         return self.grad_owners
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         """Wrap the zeroing calls and index gradients; undone by ``patcher``."""
         import torch
 

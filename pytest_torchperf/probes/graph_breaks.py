@@ -90,7 +90,7 @@ class GraphBreaksProbe(ModuleProbe):
     #: Compiles are counted by the recompiles probe's compile-start callback.
     needs = ("recompiles",)
 
-    def _attach(self, patcher: "Patcher", symbolic_convert: Any) -> None:
+    def _attach(self, patcher: Patcher, symbolic_convert: Any) -> None:
         translator = getattr(symbolic_convert, "InstructionTranslatorBase", None)
         self.attached = callable(getattr(translator, "log_graph_break", None))
         if not self.attached:
@@ -121,7 +121,7 @@ class GraphBreaksProbe(ModuleProbe):
         patcher.wrap(translator, "log_graph_break", wrap)
         self._attach_calls(patcher)
 
-    def _attach_calls(self, patcher: "Patcher") -> None:
+    def _attach_calls(self, patcher: Patcher) -> None:
         """Read what a compiled function called in a step runs: the breaks dynamo compiled into it earlier.
 
         ``torch.compile``'s wrapper (``compile_wrapper`` in ``torch._dynamo.eval_frame``)

@@ -118,7 +118,7 @@ class GraphsProbe(Probe):
         self._restore: Optional[tuple[bool, bool]] = None
         #: Optimizer steps counted by the one-shot hook (see :meth:`await_optimizer_step`), and the optimizers seen.
         self.optimizer_steps = 0
-        self.optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._armed = False
         self._hook: Any = None
         self._unhook = False
@@ -138,7 +138,7 @@ class GraphsProbe(Probe):
         #: Installed and not taken out: only then may a check's call register a global hook here.
         self._live = False
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         """Wrap the backward entry point; undone by ``patcher``."""
         import torch
         import torch.autograd
@@ -281,7 +281,7 @@ class GraphsProbe(Probe):
     # compiles (its compile start and end callbacks) and comes back at once after, where it was;
     # ``_has_any_global_hook`` does not count it. Dynamo installs no guard on the global hooks: the code
     # compiled without it runs as it is with it back (tested: same graphs and compiles, watched or not).
-    def _hide_from_compile(self, patcher: "Patcher") -> None:
+    def _hide_from_compile(self, patcher: Patcher) -> None:
         try:
             import torch.nn.modules.module as module_module
         except ImportError:  # pragma: no cover

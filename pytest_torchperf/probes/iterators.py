@@ -41,7 +41,7 @@ class IteratorsProbe(Probe):
 
     def __init__(self) -> None:
         super().__init__()
-        self.loader_of_pool: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self.loader_of_pool: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def reset(self) -> None:
         super().reset()
@@ -51,7 +51,7 @@ class IteratorsProbe(Probe):
         if core.handlers("on_worker_pool"):
             core.notify("on_worker_pool", kind, loader, capture(3), how)
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         """Patch the DataLoader machinery for the active runs; undone by ``patcher``."""
         from torch.utils.data import dataloader as dl
 

@@ -107,7 +107,7 @@ class LoaderRecord:
 class LoaderLog:
     """The DataLoaders one run iterated."""
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         # Weak: the probe's ``logs`` maps each run to its log weakly, and a log holding its run would keep
         # every run (its checks, its report) alive for the rest of the process.
         self._run = weakref.ref(run)
@@ -222,11 +222,11 @@ class LoadersProbe(Probe):
     def __init__(self) -> None:
         super().__init__()
         #: Loader -> the stack that built it (only loaders built while a run was active).
-        self.created: "weakref.WeakKeyDictionary[Any, Stack]" = weakref.WeakKeyDictionary()
+        self.created: weakref.WeakKeyDictionary[Any, Stack] = weakref.WeakKeyDictionary()
         #: Iterator -> the loader it iterates.
-        self.loader_of: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self.loader_of: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         #: Run -> its log, for the runs whose checks asked for one.
-        self.logs: "weakref.WeakKeyDictionary[Run, LoaderLog]" = weakref.WeakKeyDictionary()
+        self.logs: weakref.WeakKeyDictionary[Run, LoaderLog] = weakref.WeakKeyDictionary()
         #: Some log reads the batches (see :meth:`log_for`).
         self.batching = False
 
@@ -236,7 +236,7 @@ class LoadersProbe(Probe):
         self.loader_of.clear()
         self.batching = any(log.batches for log in self.logs.values())
 
-    def log_for(self, run: "Run", batches: bool = False) -> LoaderLog:
+    def log_for(self, run: Run, batches: bool = False) -> LoaderLog:
         """The run's log, created on first request (checks ask in their ``__init__``).
 
         ``batches``: the check reads what each batch says (the loaders feeding training steps); only
@@ -259,7 +259,7 @@ class LoadersProbe(Probe):
                 out.append(log)
         return out
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         """Patch the DataLoader machinery for the active runs' logs; undone by ``patcher``."""
         from torch.utils.data import dataloader as dl
 
@@ -310,7 +310,9 @@ class LoadersProbe(Probe):
 
             return __next__
 
-        patcher.wrap(dl.DataLoader, "__init__", record_creation(self, self.created, lambda: flags.active and bool(probe.logs)))
+        patcher.wrap(
+            dl.DataLoader, "__init__", record_creation(self, self.created, lambda: flags.active and bool(probe.logs))
+        )
         patcher.wrap(dl.DataLoader, "__iter__", wrap_iter)
         patcher.wrap(dl._BaseDataLoaderIter, "__init__", wrap_iterator_init)
         patcher.wrap(dl._BaseDataLoaderIter, "__next__", wrap_next)

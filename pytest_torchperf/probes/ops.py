@@ -95,7 +95,7 @@ class OpsProbe(Probe):
         self.counts = {}
         self.sample = None
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         self.reset()
         patcher.callback(self.reset, deferred=True)
         mode_class = _mode_class()

@@ -6,8 +6,8 @@ whatever the machine has); ``grads_set_to_none`` looks at the gradients each
 step consumed. One global optimizer step *post*-hook
 (``torch.optim.optimizer.register_optimizer_step_post_hook``, called by every
 ``Optimizer.step``, Lightning's included) sends ``on_optimizer_step(optimizer)``
-to the checks of every active run; it is removed with the probe. A post-hook, because Lightning runs the forward and backward inside
-``optimizer.step(closure)``: only after the step has the step's work happened.
+to the checks of every active run; it is removed with the probe. A post-hook, because Lightning runs the
+forward and backward inside ``optimizer.step(closure)``: only after the step has the step's work happened.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class OptimizersProbe(Probe):
     def __init__(self) -> None:
         super().__init__()
         #: Optimizer -> (key, device types, dtypes) of its parameters; see :func:`placement`.
-        self.placements: "weakref.WeakKeyDictionary[Any, tuple[tuple, frozenset, frozenset]]" = (
+        self.placements: weakref.WeakKeyDictionary[Any, tuple[tuple, frozenset, frozenset]] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -75,7 +75,7 @@ class OptimizersProbe(Probe):
         super().reset()
         self.placements.clear()
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         """Register the step post-hook; removed by ``patcher``."""
         self.reset()
         patcher.callback(self.reset, deferred=True)

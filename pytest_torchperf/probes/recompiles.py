@@ -39,7 +39,7 @@ class RecompilesProbe(ModuleProbe):
     name = "recompiles"
     module = _CONVERT_FRAME
 
-    def _attach(self, patcher: "Patcher", convert_frame: Any) -> None:
+    def _attach(self, patcher: Patcher, convert_frame: Any) -> None:
         """Patch dynamo's recompilation entry points in ``convert_frame``."""
         flags = FLAGS
         probe = self
@@ -109,7 +109,7 @@ class RecompilesProbe(ModuleProbe):
             patcher.callback(remove, deferred=True)
 
 
-    def _keep_across_reset(self, patcher: "Patcher", handler: Any, on_start: Callable[[Any], None]) -> None:
+    def _keep_across_reset(self, patcher: Patcher, handler: Any, on_start: Callable[[Any], None]) -> None:
         """``torch._dynamo.reset()`` clears every compile callback: register ``on_start`` again after it.
 
         Sends ``on_dynamo_reset()``: dynamo's caches are empty, its next compiles are first compiles.

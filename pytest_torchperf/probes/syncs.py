@@ -239,7 +239,7 @@ class SyncsProbe(Probe):
             record.confirmed += 1
 
     # -- install ---------------------------------------------------------------------------
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         """Patch the synchronising operations; undone by ``patcher``.
 
         The wrappers are built once and kept for later watches (:meth:`~pytest_torchperf.patching.Patcher.
@@ -255,7 +255,7 @@ class SyncsProbe(Probe):
         with patcher.reusing((self, cuda_available, TENSORS, TENSORS.compiling)):
             self._install(patcher, torch, cuda_available)
 
-    def _install(self, patcher: "Patcher", torch: Any, cuda_available: bool) -> None:
+    def _install(self, patcher: Patcher, torch: Any, cuda_available: bool) -> None:
         import torch.nn.functional as F
 
         tensor_type = torch.Tensor
@@ -511,7 +511,9 @@ class SyncsProbe(Probe):
                 quiet = False
                 if not is_compiling() and flags.in_scope:
                     try:
-                        quiet = threading.get_ident() == probe.thread and not TENSORS.moved_module(self) and _on_host(self)
+                        quiet = (
+                            threading.get_ident() == probe.thread and not TENSORS.moved_module(self) and _on_host(self)
+                        )
                     except Exception as exc:  # noqa: BLE001
                         probe.failed(exc)
                 if not quiet:
@@ -544,7 +546,7 @@ class SyncsProbe(Probe):
 
         return wraps(original)(synchronize)
 
-    def _route_fetches(self, patcher: "Patcher", tensor_type: type) -> None:
+    def _route_fetches(self, patcher: Patcher, tensor_type: type) -> None:
         """While a DataLoader fetches samples outside the steps, ``tensor[i]`` goes straight to torch's C code.
 
         A mask outside a step is not counted, so the ``__getitem__`` patch has nothing to see there, and a
@@ -600,7 +602,7 @@ class SyncsProbe(Probe):
             if fetcher is not None and callable(getattr(fetcher, "fetch", None)):
                 patcher.wrap(fetcher, "fetch", wrap_fetch)
 
-    def _install_cuda(self, patcher: "Patcher", torch: Any) -> None:
+    def _install_cuda(self, patcher: Patcher, torch: Any) -> None:
         """On CUDA: count ``torch.cuda.synchronize()`` and listen to ``set_sync_debug_mode("warn")`` in steps."""
         probe = self
         cuda = torch.cuda
@@ -646,7 +648,9 @@ class SyncsProbe(Probe):
                 cuda.set_sync_debug_mode(previous.pop())
 
         FLAGS.listeners.append(on_scope)
-        patcher.callback(lambda: FLAGS.listeners.remove(on_scope) if on_scope in FLAGS.listeners else None, deferred=True)
+        patcher.callback(
+            lambda: FLAGS.listeners.remove(on_scope) if on_scope in FLAGS.listeners else None, deferred=True
+        )
         patcher.callback(restore)
 
         # The warning is issued at the Python line that made the CUDA call: take it from

@@ -239,7 +239,7 @@ class TensorsProbe(HostRegistry, Probe):
         return True
 
     # -- install ---------------------------------------------------------------------------
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         """Patch torch's factories, conversions, moves and a few cheap operations; undone by ``patcher``.
 
         The wrappers are built once and kept for later watches (:meth:`~pytest_torchperf.patching.Patcher.
@@ -257,7 +257,7 @@ class TensorsProbe(HostRegistry, Probe):
         with patcher.reusing((self, accelerated, self.compiling)):
             self._install(patcher, torch, accelerated)
 
-    def _install(self, patcher: "Patcher", torch: Any, accelerated: bool) -> None:
+    def _install(self, patcher: Patcher, torch: Any, accelerated: bool) -> None:
         self.tensor_type = tensor_type = torch.Tensor
         self.device_type = torch.device
         is_compiling = self.compiling
@@ -301,7 +301,9 @@ class TensorsProbe(HostRegistry, Probe):
         for name in CONVERSIONS:
             patcher.wrap(tensor_type, name, lambda original, name=name: conversion(name, original))  # type: ignore[misc]
 
-        def after_to(self: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], frame: Optional[FrameType]) -> None:
+        def after_to(
+            self: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], frame: Optional[FrameType]
+        ) -> None:
             target = probe.target_of_to(args, kwargs)
             birth = probe.birth_of(self)
             if is_cpu_string(target) and (birth is None or not flags.in_scope or probe.writes_cpu(frame)):
@@ -441,7 +443,12 @@ class TensorsProbe(HostRegistry, Probe):
                     try:
                         birth = probe.birth_of(src)
                         real = src.device.type == "cpu" and self.device.type not in ("cpu", "meta")
-                        if birth is not None and not birth.moved and not birth.with_module and not probe.is_host_tensor(self):
+                        if (
+                            birth is not None
+                            and not birth.moved
+                            and not birth.with_module
+                            and not probe.is_host_tensor(self)
+                        ):
                             probe.tell(Move("copy_", src, birth, True, self, getframe(1), real))
                         elif real:
                             probe.tell(Move("copy_", src, None, False, self, getframe(1), True))
@@ -555,7 +562,7 @@ class TensorsProbe(HostRegistry, Probe):
         _propagate.install(self, patcher, torch, dispatch)
         self._install_optimizer_scan(patcher, torch)
 
-    def _install_module_moves(self, patcher: "Patcher", torch: Any) -> None:
+    def _install_module_moves(self, patcher: Patcher, torch: Any) -> None:
         """Remember the modules moved to a device target (``.to(dev)``, ``.cuda()``), with their submodules."""
         probe = self
         flags = FLAGS
@@ -595,7 +602,7 @@ class TensorsProbe(HostRegistry, Probe):
         patcher.wrap(torch.nn.Module, "to", wrap_to)
         patcher.wrap(torch.nn.Module, "cuda", wrap_cuda)
 
-    def _install_optimizer_scan(self, patcher: "Patcher", torch: Any) -> None:
+    def _install_optimizer_scan(self, patcher: Patcher, torch: Any) -> None:
         """Optimizers keep their ``step`` counters on the host on purpose unless capturable or fused
         ("special device hosting for step"); a state built before the run was not seen being born. The
         first time a step reads a CPU tensor nobody is known to have put on the host from inside an

@@ -33,7 +33,7 @@ class ThreadsProbe(Probe):
         self.set_at = None
         self.value = None
 
-    def install(self, patcher: "Patcher") -> None:
+    def install(self, patcher: Patcher) -> None:
         import torch
 
         self.reset()

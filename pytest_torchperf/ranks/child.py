@@ -35,10 +35,20 @@ from .. import core, frameworks, registry
 from ..core import Run
 from ..options import Options
 from ..stacks import TORCHPERF, USER, classify, display_path
-from ..watch import finish, start, stop
+from ..watching import finish, start, stop
 from .wire import VERSION, report_to_data, write_json
 
-__all__ = ["ENV", "ChildRuns", "RankEntry", "RankSpec", "context", "describe_error", "error_of", "judged_elsewhere", "rank_of"]
+__all__ = [
+    "ENV",
+    "ChildRuns",
+    "RankEntry",
+    "RankSpec",
+    "context",
+    "describe_error",
+    "error_of",
+    "judged_elsewhere",
+    "rank_of",
+]
 
 #: Set in a rank process started by a command: JSON ``{"dir": ..., "mode": "rerun" | "boot", ...}``.
 ENV = "PYTEST_TORCHPERF_RANKS"
@@ -75,7 +85,7 @@ def judged_elsewhere() -> bool:
     return ctx is not None and ctx.get("mode") == "rerun"
 
 #: Run -> the global rank this process got while the run was active (``init_process_group``).
-_RANKS: "weakref.WeakKeyDictionary[Run, int]" = weakref.WeakKeyDictionary()
+_RANKS: weakref.WeakKeyDictionary[Run, int] = weakref.WeakKeyDictionary()
 
 
 def rank_seen(rank: int) -> None:
@@ -180,7 +190,12 @@ def error_of(exc: Optional[BaseException]) -> Optional[dict[str, Any]]:
     if isinstance(exc, SystemExit) and exc.code in (None, 0):
         return None
     if isinstance(exc, KeyboardInterrupt):
-        return {"type": "KeyboardInterrupt", "message": "interrupted (another rank failed?)", "where": "", "traceback": []}
+        return {
+            "type": "KeyboardInterrupt",
+            "message": "interrupted (another rank failed?)",
+            "where": "",
+            "traceback": [],
+        }
     return describe_error(exc)
 
 
@@ -199,7 +214,7 @@ class ChildRuns:
         self._hidden: Any = None
         self._call: Any = None
 
-    def __enter__(self) -> "ChildRuns":
+    def __enter__(self) -> ChildRuns:
         try:
             self._hidden = core.suspended()
             self._hidden.__enter__()
@@ -228,7 +243,7 @@ class ChildRuns:
         error = error_of(exc)
         if self._call is not None:
             self._call.__exit__(exc_type, exc, tb)
-        for depth, run in reversed(self.runs):
+        for _depth, run in reversed(self.runs):
             try:
                 stop(run)
                 finish(run, exc)  # merges what ranks this rank launched itself, if any

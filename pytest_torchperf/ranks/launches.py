@@ -86,7 +86,7 @@ class Launch:
 
 
 #: Run -> the launches it has to collect when it ends.
-_LAUNCHES: "weakref.WeakKeyDictionary[Run, list[Launch]]" = weakref.WeakKeyDictionary()
+_LAUNCHES: weakref.WeakKeyDictionary[Run, list[Launch]] = weakref.WeakKeyDictionary()
 
 #: Report directories are ``torchperf-ranks-<pid of the launching process>-<random>``.
 PREFIX = "torchperf-ranks-"
@@ -315,7 +315,7 @@ def _key_directory(base: str, key: str) -> str:
 
 
 #: Run -> (report directory, depth) for runs of a re-run rank that saw a ddp launch: they report at their end.
-_TAGGED: "weakref.WeakKeyDictionary[Run, tuple[str, int]]" = weakref.WeakKeyDictionary()
+_TAGGED: weakref.WeakKeyDictionary[Run, tuple[str, int]] = weakref.WeakKeyDictionary()
 
 
 def _wrap_script_launch(original: Callable[..., Any], launcher: str) -> Callable[..., Any]:
@@ -336,7 +336,11 @@ def _wrap_script_launch(original: Callable[..., Any], launcher: str) -> Callable
             elif ctx is None:
                 key = _SCRIPT.next_key()
                 # A run reports once per rank process: its first ddp launch collects; later ones reuse the ranks.
-                fresh = [run for run in runs if not any(launch.launcher in _SCRIPT_NAMES for launch in _LAUNCHES.get(run, ()))]
+                fresh = [
+                    run
+                    for run in runs
+                    if not any(launch.launcher in _SCRIPT_NAMES for launch in _LAUNCHES.get(run, ()))
+                ]
                 pending = new_launch(launcher, _key_directory(_SCRIPT.session_directory(), key), only=fresh)
                 if pending is not None:
                     pending.expected.update(_live(_SCRIPT.children))
@@ -475,7 +479,7 @@ def _wrap_init_process_group(original: Callable[..., Any]) -> Callable[..., Any]
 # -- installing ------------------------------------------------------------------------------------
 
 
-def install(patcher: "Patcher") -> None:
+def install(patcher: Patcher) -> None:
     """Patch the launchers (those imported later, when they are imported)."""
 
     def on_spawn_module(module: Any) -> None:

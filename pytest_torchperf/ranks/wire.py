@@ -65,7 +65,11 @@ def report_from_data(data: dict[str, Any]) -> Report:
                 f["title"],
                 list(f.get("facts", [])),
                 [
-                    Site(s["label"], tuple(Frame(str(a), int(b), str(c)) for a, b, c in s.get("stack", [])), s.get("count", 1))
+                    Site(
+                        s["label"],
+                        tuple(Frame(str(a), int(b), str(c)) for a, b, c in s.get("stack", [])),
+                        s.get("count", 1),
+                    )
                     for s in f.get("sites", [])
                 ],
                 f.get("hint", ""),

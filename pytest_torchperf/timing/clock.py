@@ -19,8 +19,9 @@ import glob
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from ..clocks import perf_counter
 
@@ -66,7 +67,7 @@ class LoadMeter:
         self._load_start: Optional[float] = None
         self.figures: dict[str, Any] = {}
 
-    def __enter__(self) -> "LoadMeter":
+    def __enter__(self) -> LoadMeter:
         self._start = _schedstat()
         self._load_start = _loadavg()
         return self
@@ -107,7 +108,9 @@ class LoadMeter:
                 "than tensor work, so the overhead may read high"
             )
         elif figures.get("loaded"):
-            figures["text"] = "machine visibly loaded during timing: " + figures["text"] + ", so the figures are noisier"
+            figures["text"] = (
+                "machine visibly loaded during timing: " + figures["text"] + ", so the figures are noisier"
+            )
         return figures
 
 
@@ -298,7 +301,9 @@ CPU_TIMING_THREADS = 1
 
 
 def timing_threads(device: Any) -> Optional[int]:
-    """The torch thread count to time a fit on ``device`` with: :data:`CPU_TIMING_THREADS` on a CPU, else None (leave it).
+    """The torch thread count to time a fit on ``device`` with.
+
+    :data:`CPU_TIMING_THREADS` on a CPU, else None (leave it).
 
     With several intra-op threads, every parallel region ends at a barrier
     where the threads spin for each other; when another process holds a core,

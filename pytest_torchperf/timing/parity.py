@@ -75,7 +75,7 @@ class ParityResult:
     _estimate: Optional[Estimate] = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
-    def from_rounds(cls, rounds: Rounds, names: tuple[str, str], warmup_rounds: int, **context: Any) -> "ParityResult":
+    def from_rounds(cls, rounds: Rounds, names: tuple[str, str], warmup_rounds: int, **context: Any) -> ParityResult:
         """The result of the comparison ``rounds`` timed (``context``: the other fields)."""
         candidate, baseline = rounds.sides(names)
         result = cls(
@@ -306,7 +306,9 @@ def _call_time(fn: Callable[[], Any], side: str) -> tuple[float, Optional[float]
             "return None (the call is timed as one epoch) or the epoch times it measured, in seconds"
         )
     if not all(math.isfinite(t) and t > 0 for t in times):
-        raise ValueError(f"torchperf.parity(): the {side} callable returned epoch times that are not positive: {times!r}")
+        raise ValueError(
+            f"torchperf.parity(): the {side} callable returned epoch times that are not positive: {times!r}"
+        )
     return median(times), None, RETURNED_TIME
 
 

@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from ..options import OVERHEAD_MIN_ROUNDS, OVERHEAD_ROUNDS, UsageError
 
@@ -261,7 +262,9 @@ def estimate(
 
 
 def verdict(est: Estimate, max_overhead: Optional[float]) -> Optional[str]:
-    """``passed`` / ``failed`` when the interval lies below / above ``max_overhead``, else ``inconclusive``; None without one."""
+    """``passed`` / ``failed`` when the interval lies below / above ``max_overhead``, else ``inconclusive``; None
+    without one.
+    """
     if max_overhead is None:
         return None
     lo, hi = est.interval
@@ -279,7 +282,9 @@ def looks(max_rounds: int, min_rounds: int = MIN_ROUNDS) -> list[int]:
 
 
 def look_levels(looks_at: Sequence[int], confidence: float = CONFIDENCE) -> dict[int, float]:
-    """The confidence of the interval at each look: the first takes half of the error allowed, the rest share the other half."""
+    """The confidence of the interval at each look: the first takes half of the error allowed, the rest share the other
+    half.
+    """
     alpha = 1.0 - confidence
     if len(looks_at) == 1:
         return {looks_at[0]: confidence}
@@ -319,7 +324,8 @@ class SideStats:
         return (quantile(self.times, 0.75) - quantile(self.times, 0.25)) / m if m > 0 else 0.0
 
     def describe(self) -> str:
-        return f"{self.name}: median {fmt_seconds(self.median)} per epoch, spread (IQR) {self.spread:.1%}, {len(self.times)} epochs"
+        return (f"{self.name}: median {fmt_seconds(self.median)} per epoch, spread (IQR) {self.spread:.1%}, "
+                f"{len(self.times)} epochs")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -354,7 +360,9 @@ class Rounds:
     the module docstring).
     """
 
-    def __init__(self, max_overhead: Optional[float] = None, rounds: int = OVERHEAD_ROUNDS, min_rounds: int = MIN_ROUNDS) -> None:
+    def __init__(
+        self, max_overhead: Optional[float] = None, rounds: int = OVERHEAD_ROUNDS, min_rounds: int = MIN_ROUNDS
+    ) -> None:
         self.max_overhead = max_overhead
         self.max_rounds = rounds
         self.min_rounds = min(min_rounds, rounds)

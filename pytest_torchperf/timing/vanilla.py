@@ -11,8 +11,9 @@ import dataclasses
 import inspect
 import itertools
 import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Optional
 
 from ..clocks import perf_counter
 from ..options import UsageError
@@ -217,7 +218,9 @@ def _takes_batch_idx(fn: Callable[..., Any]) -> bool:
 def _attached(module: Any, trainer: Any) -> Iterator[None]:
     """``module.trainer = trainer`` for the hooks Lightning calls with the trainer attached."""
     # Not hasattr(module, "trainer"): Lightning 2's property raises RuntimeError while detached.
-    if trainer is None or not (isinstance(getattr(type(module), "trainer", None), property) or "trainer" in vars(module)):
+    if trainer is None or not (
+        isinstance(getattr(type(module), "trainer", None), property) or "trainer" in vars(module)
+    ):
         yield
         return
     module.trainer = trainer
@@ -274,7 +277,11 @@ class VanillaLoop:
             )
         if (getattr(module, "truncated_bptt_steps", 0) or 0) > 0:
             raise NotMirrored("truncated back-propagation through time (truncated_bptt_steps) is not mirrored")
-        if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
+        if (
+            isinstance(accumulate_grad_batches, bool)
+            or not isinstance(accumulate_grad_batches, int)
+            or accumulate_grad_batches < 1
+        ):
             raise NotMirrored(f"accumulate_grad_batches must be an integer >= 1, got {accumulate_grad_batches!r}")
         algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm").lower()
         if algorithm not in ("norm", "value"):
@@ -427,9 +434,11 @@ def vanilla_fit(
     if max_steps is not None:
         check_int(max_steps, "max_steps", 1, 10**12, where)
     if limit_train_batches is not None:
-        ok = (isinstance(limit_train_batches, int) and not isinstance(limit_train_batches, bool) and limit_train_batches >= 0) or (
-            isinstance(limit_train_batches, float) and 0.0 <= limit_train_batches <= 1.0
-        )
+        ok = (
+            isinstance(limit_train_batches, int)
+            and not isinstance(limit_train_batches, bool)
+            and limit_train_batches >= 0
+        ) or (isinstance(limit_train_batches, float) and 0.0 <= limit_train_batches <= 1.0)
         if not ok:
             raise UsageError(
                 f"{where}: limit_train_batches must be a batch count (int >= 0) or a fraction (float in [0, 1]), "

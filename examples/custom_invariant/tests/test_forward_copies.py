@@ -50,5 +50,7 @@ def test_a_budget_of_one_copy_per_step_fixed(torchperf) -> None:
 
 
 def test_a_misspelt_argument_is_named_with_the_closest_one(torchperf) -> None:
-    with pytest.raises(ValueError, match=r"unknown argument 'max_forward_copy' \(did you mean 'max_forward_copies'\?\)"):
+    with pytest.raises(
+        ValueError, match=r"unknown argument 'max_forward_copy' \(did you mean 'max_forward_copies'\?\)"
+    ):
         train(torchperf, on_device=True, max_forward_copy=1)

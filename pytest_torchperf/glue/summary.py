@@ -1,7 +1,7 @@
 """The "torchperf summary" at the end of a session: sized by what matters, not by the suite.
 
 pytest-free: the plugin hands it the session's test entries (those of
-:func:`pytest_torchperf.results.test_entry`, on the xdist controller from the
+:func:`pytest_torchperf.glue.results.test_entry`, on the xdist controller from the
 reports its workers send) and writes the lines it returns.
 
 At default verbosity (and ``-q``) it is a session-level block:
@@ -29,13 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from ._lazy import lazy_module
-from .text import plural
+from ..text import plural
 
 if TYPE_CHECKING:
-    from . import unchecked
-else:
-    unchecked = lazy_module("pytest_torchperf.unchecked")
+    pass
 
 __all__ = ["Line", "nothing_to_watch", "session_lines", "MAX_NOTES"]
 
@@ -75,6 +72,7 @@ def nothing_to_watch(test: dict[str, Any]) -> bool:
 
 
 def _unchecked(test: dict[str, Any]) -> list[str]:
+    from . import unchecked
     return sorted({name for run in test["runs"] for name in unchecked.summary_parts(run["checks"])})
 
 
@@ -161,6 +159,7 @@ def _test_line(test: dict[str, Any], verdicts: bool) -> Line:
 
 def _shown(name: str, check: dict[str, Any]) -> bool:
     """A verdict worth a word in the detail: anything but a conditional invariant that did not apply."""
+    from . import unchecked
     return check["status"] != NOT_CHECKED or unchecked.is_default(name)
 
 

@@ -13,7 +13,8 @@ were active. Nothing here imports torch until a run starts.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 from .core import Run
 from .engine import ENGINE

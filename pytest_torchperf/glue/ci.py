@@ -18,22 +18,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Generator, Iterable, Optional
+from collections.abc import Generator, Iterable
+from typing import TYPE_CHECKING, Any, Optional
 
 import pytest
 
-from ._lazy import lazy_module
-from ._version import __version__
-from .constants import BUILTIN_INVARIANTS, INVARIANTS_ENTRY_POINT_GROUP
+from .._version import __version__
+from ..constants import BUILTIN_INVARIANTS, INVARIANTS_ENTRY_POINT_GROUP
 
 if TYPE_CHECKING:
-    from . import github, registry
-    from .ranks import child as _child
-else:  # loaded when a session reports on a watched test: an unmarked session pays nothing for them
-    github = lazy_module("pytest_torchperf.github")
-    registry = lazy_module("pytest_torchperf.registry")
-    _child = lazy_module("pytest_torchperf.ranks.child")
-_report = lazy_module("pytest_torchperf.report")
+    from . import github
 
 __all__ = ["CiOutput", "entry_point_names", "header_line", "step_summary", "STATUS_LETTER"]
 
@@ -119,6 +113,7 @@ def step_summary(
     tests: list[dict[str, Any]], annotations: list[github.Annotation], environ: Optional[dict[str, str]] = None
 ) -> str:
     """The job summary's Markdown: a headline, the worst findings with links, each watched test's verdicts."""
+    from . import github
     env = dict(os.environ) if environ is None else environ
     broken: dict[str, int] = {}
     for test in tests:
@@ -171,12 +166,16 @@ class CiOutput:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
         report = yield
-        exc = call.excinfo.value if call.excinfo is not None else None
-        if call.when == "call" and report.failed and isinstance(exc, _report.InvariantViolation):
-            report.torchperf_failed = True  # plain data: travels from xdist workers with the report
+        if call.when == "call" and report.failed:
+            from ..report import InvariantViolation
+
+            if call.excinfo is not None and isinstance(call.excinfo.value, InvariantViolation):
+                report.torchperf_failed = True  # plain data: travels from xdist workers with the report
         return report
 
-    def pytest_report_teststatus(self, report: pytest.TestReport, config: pytest.Config) -> Optional[tuple]:
+    def pytest_report_teststatus(
+        self, report: pytest.TestReport, config: pytest.Config
+    ) -> Optional[tuple[str, str, str]]:
         if report.when == "call" and report.failed and getattr(report, "torchperf_failed", False):
             # A plain word: pytest colours it by the category, and pytest 7.0 prints a (word, markup) tuple as is.
             return "failed", STATUS_LETTER, "FAILED"
@@ -185,7 +184,12 @@ class CiOutput:
     @pytest.hookimpl(trylast=True)  # after the recorder and the adoption plugin saw the session end
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         path = os.environ.get("GITHUB_STEP_SUMMARY")
-        if not path or getattr(self.config, "workerinput", None) is not None or _child.judged_elsewhere():
+        if not path or getattr(self.config, "workerinput", None) is not None:
+            return
+        from ..ranks.child import judged_elsewhere
+        from . import github
+
+        if judged_elsewhere():
             return
         if not github.enabled(self.settings.annotations):
             return

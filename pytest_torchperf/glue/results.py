@@ -37,10 +37,11 @@ import json
 import os
 import platform
 import sys
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
-from ._version import __version__
-from .report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED
+from .._version import __version__
+from ..report import FAILED, INCONCLUSIVE, NOT_CHECKED, PASSED
 
 __all__ = ["SCHEMA_VERSION", "environment", "test_entry", "document", "write", "junit_properties"]
 

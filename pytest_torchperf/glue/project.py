@@ -19,12 +19,13 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
-from .errors import UsageError, suggest
+from ..errors import UsageError, suggest
 
 if TYPE_CHECKING:
-    from .stacks import UserPackage
+    from ..stacks import UserPackage
 
 __all__ = ["check_names", "import_packages", "project_name", "user_packages"]
 
@@ -156,8 +157,10 @@ def check_names(names: Sequence[str], where: str) -> tuple[str, ...]:
         if not _IMPORT_NAME.match(name):
             fixed = re.sub(r"[^A-Za-z0-9_.]", "_", name)
             hint = f" (did you mean {fixed!r}?)" if _IMPORT_NAME.match(fixed) else ""
-            raise UsageError(f"pytest-torchperf: {where} entry {name!r} is not an import name like 'mypkg' or 'mypkg.sub'{hint}")
-        from .stacks import package_locations
+            raise UsageError(
+                f"pytest-torchperf: {where} entry {name!r} is not an import name like 'mypkg' or 'mypkg.sub'{hint}"
+            )
+        from ..stacks import package_locations
 
         if name not in sys.modules and not package_locations(name):
             known = sorted(set(_importable_names()))
@@ -177,9 +180,11 @@ def _importable_names() -> list[str]:
         return []
 
 
-def user_packages(rootdir: str, named: Sequence[str] = (), named_by: str = "torchperf_user_packages") -> list[UserPackage]:
+def user_packages(
+    rootdir: str, named: Sequence[str] = (), named_by: str = "torchperf_user_packages"
+) -> list[UserPackage]:
     """The user's packages: the rootdir project's import packages, then the ones ``named`` in the settings."""
-    from .stacks import UserPackage
+    from ..stacks import UserPackage
 
     out: list[UserPackage] = []
     declared = project_name(rootdir)

@@ -42,10 +42,11 @@ import io
 import json
 import os
 import tokenize
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional
 
-from .report import FAILED, InvariantViolation, Report
+from ..report import FAILED, InvariantViolation, Report
 
 __all__ = [
     "SCHEMA",
@@ -173,7 +174,7 @@ class Observation:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Observation":
+    def from_dict(cls, data: dict[str, Any]) -> Observation:
         frame = data.get("user_frame")
         per_step = data.get("per_step")
         return cls(
@@ -224,7 +225,7 @@ def observe(report: Report) -> list[Observation]:
             continue
         steps = check.figures.get(RATE_FIGURES.get(name, ""), None)
         steps = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
-        by_key: dict[tuple, Observation] = {}
+        by_key: dict[tuple[Any, ...], Observation] = {}
         for finding in check.findings:
             if finding.title.startswith(_NOT_FAILING):
                 continue
@@ -262,7 +263,7 @@ def observe(report: Report) -> list[Observation]:
 
 def merge_observations(observations: Iterable[Observation]) -> list[Observation]:
     """One observation per site over a test's runs: the highest count and rate of any run."""
-    merged: dict[tuple, Observation] = {}
+    merged: dict[tuple[Any, ...], Observation] = {}
     for obs in observations:
         key = (obs.key, obs.line)
         current = merged.get(key)
@@ -383,7 +384,7 @@ def _pair_in_order(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
 
 def compare(observations: Sequence[Observation], entries: Sequence[Entry]) -> Comparison:
     """Match a test's observations to its baseline entries by site; among equal sites, by line, in order."""
-    groups: dict[tuple, tuple[list[int], list[int]]] = {}
+    groups: dict[tuple[Any, ...], tuple[list[int], list[int]]] = {}
     for i, obs in enumerate(observations):
         groups.setdefault(obs.key, ([], []))[0].append(i)
     for j, entry in enumerate(entries):
@@ -425,7 +426,7 @@ class Baseline:
         self.path = path
 
     @classmethod
-    def load(cls, path: str, missing_ok: bool = False) -> "Baseline":
+    def load(cls, path: str, missing_ok: bool = False) -> Baseline:
         if not os.path.exists(path):
             if missing_ok:
                 return cls({}, path)
@@ -438,7 +439,7 @@ class Baseline:
         return cls.from_document(doc, path)
 
     @classmethod
-    def from_document(cls, doc: Any, path: Optional[str] = None) -> "Baseline":
+    def from_document(cls, doc: Any, path: Optional[str] = None) -> Baseline:
         where = path or "the baseline"
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
             raise BaselineError(f"{where} is not a pytest-torchperf baseline (no \"schema\": \"{SCHEMA}\")")

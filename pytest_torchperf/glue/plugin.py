@@ -1,13 +1,13 @@
 """pytest glue: the ``torchperf`` marker and fixture, options, failure reports, summary, JSON.
 
-The checking itself lives in :mod:`pytest_torchperf.watch` and is plain Python;
+The checking itself lives in :mod:`pytest_torchperf.watching` and is plain Python;
 this module decides when to watch, turns a broken invariant into a failed
 test report, and records every watched test's verdicts for the terminal
 summary, JUnit properties and the JSON report (on the xdist controller, from
 the reports its workers send). An unmarked test that does not request the
 fixture costs one marker lookup. The options and their precedence are in
-:mod:`pytest_torchperf.settings`; the baseline, annotations and traces in
-:mod:`pytest_torchperf.adoption`.
+:mod:`pytest_torchperf.glue.settings`; the baseline, annotations and traces in
+:mod:`pytest_torchperf.glue.adoption`.
 """
 
 from __future__ import annotations
@@ -18,32 +18,23 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import pytest
 
+from ..constants import OVERHEAD_ROUNDS
+from ..errors import UsageError
 from . import adoption, ci, project, unchecked
-from ._lazy import lazy_module
-from .constants import OVERHEAD_ROUNDS
-from .errors import UsageError
 from .settings import Settings, Threads, add_options, apply_threads, resolve_settings, session_defaults
 
 if TYPE_CHECKING:
-    from . import baseline, results, stacks, summary
-    from .core import Run
-    from .options import Options
-    from .report import Report
-    from .timing import ParityResult
-else:  # loaded when the first test is watched (or a report needs them): an unmarked session pays nothing
-    baseline = lazy_module("pytest_torchperf.baseline")
-    results = lazy_module("pytest_torchperf.results")
-    stacks = lazy_module("pytest_torchperf.stacks")
-    summary = lazy_module("pytest_torchperf.summary")
-_options = lazy_module("pytest_torchperf.options")
-_report = lazy_module("pytest_torchperf.report")
-_timing = lazy_module("pytest_torchperf.timing")
-_watch = lazy_module("pytest_torchperf.watch")
+    from ..core import Run
+    from ..options import Options
+    from ..report import Report
+    from ..timing import ParityResult
+    from . import baseline
 
 MARKER = "torchperf"
 #: Environment variable naming the file lock that serialises timed sections across xdist workers.
@@ -105,8 +96,10 @@ def _marker_help(config: pytest.Config) -> str:
     """
     signature = "**invariants"
     if getattr(config.option, "markers", False):
+        from ..options import describe_options
+
         try:
-            signature = _options.describe_options()
+            signature = describe_options()
         except UsageError as exc:
             raise pytest.UsageError(str(exc)) from None
     return (
@@ -117,7 +110,7 @@ def _marker_help(config: pytest.Config) -> str:
 
 def _judged_elsewhere() -> bool:
     """A rank process re-running the session (see :func:`pytest_torchperf.ranks.child.judged_elsewhere`)."""
-    from .ranks.child import judged_elsewhere
+    from ..ranks.child import judged_elsewhere
 
     return judged_elsewhere()
 
@@ -128,6 +121,7 @@ def _know_the_project(config: pytest.Config) -> None:
     Deferred from configure (reading the project's metadata costs every session that never watches);
     restored when the session ends.
     """
+    from .. import stacks
     if config.stash.get(_PROJECT, True):
         return
     config.stash[_PROJECT] = True
@@ -156,6 +150,7 @@ def _marker_options(item: pytest.Item) -> Optional[Options]:
     marks = list(item.iter_markers(MARKER))
     if not marks:
         return None
+    from .. import options as _options  # a marked test's: an unmarked session never loads the registry
     merged: dict[str, Any] = _session_defaults(item.config)
     # iter_markers yields the closest marker first: apply farthest first so closer ones win.
     for mark in reversed(marks):
@@ -207,6 +202,8 @@ def _is_watched(item: pytest.Item) -> bool:
 def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
     """Fail the test on a broken invariant, unless the session only reports or the baseline knows it;
     skip it or warn for an inconclusive one, as ``overhead_inconclusive`` says."""
+    from .. import report as _report
+    from . import baseline
     assert report is not None
     if _judged_elsewhere():
         return  # a rank process re-running the session: its launcher judges
@@ -228,7 +225,7 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
         pytest.skip(str(exc))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
@@ -245,6 +242,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     options = item.stash.get(_OPTIONS, None)
     if options is None:
         return (yield)
+    from .. import watching as _watch
     _require_torch(item.config)
     with _watch.watching(options) as run:
         item.stash[_RUNS].append(("marker", run))
@@ -282,6 +280,7 @@ class TorchperfFailure:
         self.reprcrash = _Crash(path, (lineno or 0) + 1, message)
 
     def _blocks(self) -> list[Any]:
+        from .. import report as _report
         blocks = self.report.blocks(self.verbose)
         if self.comparison is not None:
             lines = [self.comparison.summary_line()]
@@ -323,15 +322,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         # Plain data, so it travels from xdist workers to the controller with the report.
         report.torchperf = runs
         report.torchperf_report_only = item.config.stash[_SETTINGS].report_only
+        from . import results
         properties = results.junit_properties(results.merge_checks(runs))
         item.user_properties.extend(properties)  # JUnit XML writes the teardown report's properties
     exc = call.excinfo.value if call.excinfo is not None else None
     if report.skipped and item.stash.get(_SKIPPED, False) and isinstance(report.longrepr, tuple):
         path, lineno = item.reportinfo()[:2]  # the skip is the test's, not this plugin's line
         report.longrepr = (os.fspath(path), (lineno or 0) + 1, report.longrepr[2])
-    if report.failed and isinstance(exc, _report.InvariantViolation):
-        verbose = (item.config.getoption("verbose", 0) or 0) > 0
-        report.longrepr = TorchperfFailure(exc.report, item, verbose, getattr(exc, "comparison", None))
+    if report.failed:
+        from ..report import InvariantViolation
+
+        if isinstance(exc, InvariantViolation):
+            verbose = (item.config.getoption("verbose", 0) or 0) > 0
+            report.longrepr = TorchperfFailure(exc.report, item, verbose, getattr(exc, "comparison", None))
     finished = [run.report for _, run in item.stash.get(_RUNS, []) if run.report is not None]
     if report.passed and finished and not _judged_elsewhere():
         # Judged on the outcome: a unittest.TestCase test that unittest recorded as skipped or failed returned
@@ -360,6 +363,8 @@ class _Recorder:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         runs = getattr(report, "torchperf", None)
         if report.when == "call" and runs:
+            from . import results
+
             report_only = bool(getattr(report, "torchperf_report_only", False))
             self.tests.append(results.test_entry(report.nodeid, report.outcome, report.duration, runs, report_only))
 
@@ -370,6 +375,8 @@ class _Recorder:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self._is_worker or not self.settings.json_path or _judged_elsewhere():
             return  # a rank process re-running the session (Lightning's ddp) leaves the JSON to its launcher
+        from . import results
+
         env: dict[str, Any] = results.environment(results.device_info())
         env["xdist_workers"] = getattr(self.config.option, "numprocesses", None) or 0
         env["report_only"] = self.settings.report_only
@@ -378,6 +385,8 @@ class _Recorder:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self._is_worker or not self.tests:
             return
+        from . import summary
+
         tr = terminalreporter
         rank = os.environ.get("LOCAL_RANK", "?") if _judged_elsewhere() else None
         title = "torchperf summary"
@@ -419,6 +428,8 @@ class TorchperfFixture:
         fails the test with the torchperf report (unless the session runs with
         ``--torchperf-report-only``); ``run.report`` holds the verdicts.
         """
+        from .. import options as _options
+        from .. import watching as _watch
         _options.parse_options(kwargs, where="torchperf.watch()")  # the caller's own mistakes, named as theirs
         defaults = _session_defaults(self._item.config)
         options = _options.parse_options({**defaults, **kwargs}, where="torchperf.watch()")
@@ -455,6 +466,8 @@ class TorchperfFixture:
         ``inconclusive`` says ("fail", "skip" or "warn"; default: the session's
         ``--torchperf-overhead-inconclusive``, else "fail").
         """
+        from .. import timing as _timing
+
         if inconclusive is None:
             inconclusive = self._item.config.stash[_SETTINGS].overhead_inconclusive or "fail"
         result = _timing.parity(
@@ -484,6 +497,7 @@ class TorchperfFixture:
 
     def _close(self) -> None:
         """Stop runs the test left open (a watch entered by hand and never exited)."""
+        from .. import watching as _watch
         while self._open:
             _watch.stop(self._open.pop())
 

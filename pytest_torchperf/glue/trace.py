@@ -36,9 +36,10 @@ import os
 import re
 import tempfile
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .constants import TRACE_STEPS
+from ..constants import TRACE_STEPS
 
 if TYPE_CHECKING:
     from .baseline import Observation
@@ -51,7 +52,7 @@ STEPS = TRACE_STEPS
 MAX_MARKS = 50
 
 #: The traces started, while they live.
-_LIVE: "weakref.WeakSet[StepTrace]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[StepTrace] = weakref.WeakSet()
 _PY_EVENT = re.compile(r"^(?P<path>.*)\((?P<line>\d+)\): (?P<function>.+)$")
 
 

@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import pytest
 
-from ._lazy import lazy_module
-from .errors import suggest
+from ..errors import suggest
 
 if TYPE_CHECKING:
-    from . import registry
-    from .report import Report
-else:  # loaded when a watched test is judged: an unmarked session pays nothing
-    registry = lazy_module("pytest_torchperf.registry")
+    from ..report import Report
 
 NOT_CHECKED = "not checked"
 
@@ -85,6 +82,7 @@ def resolve(config: pytest.Config) -> str:
 def is_default(name: str) -> bool:
     """``name`` is an invariant that is on unless turned off, and not one that only checks what a run may lack
     (:attr:`~pytest_torchperf.registry.Invariant.conditional`: nothing compiled is nothing to warn about)."""
+    from .. import registry
     try:
         invariant = registry.get(name)
     except Exception:  # noqa: BLE001 - a name from another session's JSON

@@ -16,22 +16,17 @@ made), and passes in what it knows about a test; nothing here imports the plugin
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Sequence
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import pytest
 
-from ._lazy import lazy_module
-from .constants import TRACE_STEPS
-from .text import plural
+from ..constants import TRACE_STEPS
+from ..text import plural
 
 if TYPE_CHECKING:
-    from . import baseline, github, trace
-    from .report import Report
-else:  # loaded when a session uses them: an unmarked session pays nothing for them
-    baseline = lazy_module("pytest_torchperf.baseline")
-    github = lazy_module("pytest_torchperf.github")
-    trace = lazy_module("pytest_torchperf.trace")
-_report = lazy_module("pytest_torchperf.report")
+    from ..report import Report
+    from . import baseline, trace  # noqa: F401 - trace: named in a stash key's type (a string)
 
 __all__ = ["ANNOTATIONS", "add_options", "add_ini", "configure", "judge", "attach"]
 
@@ -77,9 +72,13 @@ def add_options(group: Any, annotations_type: Callable[[str], str]) -> None:
 
 
 def add_ini(parser: pytest.Parser) -> None:
-    parser.addini("torchperf_baseline", "the torchperf baseline file (relative to the ini file)", type="string", default="")
+    parser.addini(
+        "torchperf_baseline", "the torchperf baseline file (relative to the ini file)", type="string", default=""
+    )
     parser.addini("torchperf_annotations", "GitHub annotations: auto, on or off", type="string", default="")
-    parser.addini("torchperf_trace", "write Chrome traces of tests failing on a finding here", type="string", default="")
+    parser.addini(
+        "torchperf_trace", "write Chrome traces of tests failing on a finding here", type="string", default=""
+    )
 
 
 def judge(config: pytest.Config, nodeid: str, report: Report) -> Optional[baseline.Comparison]:
@@ -97,6 +96,8 @@ def configure(config: pytest.Config, settings: Any, is_watched: Callable[[pytest
     """
     known = None
     if settings.baseline_path:
+        from . import baseline
+
         try:
             known = baseline.Baseline.load(settings.baseline_path, missing_ok=settings.baseline_update)
         except baseline.BaselineError as exc:
@@ -121,15 +122,17 @@ def attach(item: pytest.Item, report: pytest.TestReport, exc: Optional[BaseExcep
 
     ``runs`` are the reports of the test's finished watched runs; ``exc`` what the call raised.
     """
+    from . import baseline
     observations = [obs for run in runs for obs in baseline.observe(run)]
     _attach_findings(report, exc, runs, observations)
     _attach_trace(item, report, exc, observations)
 
 
 def _attach_findings(
-    report: pytest.TestReport, exc: Optional[BaseException], runs: Sequence[Report], observations: list
+    report: pytest.TestReport, exc: Optional[BaseException], runs: Sequence[Report], observations: list[Any]
 ) -> None:
     """What the controller needs for the baseline and annotations, as plain data on the report."""
+    from .. import report as _report
     if not observations:
         return
     report.torchperf_findings = [obs.to_dict() for obs in observations]  # type: ignore[attr-defined]
@@ -140,8 +143,10 @@ def _attach_findings(
 
 
 def _attach_trace(
-    item: pytest.Item, report: pytest.TestReport, exc: Optional[BaseException], observations: list
+    item: pytest.Item, report: pytest.TestReport, exc: Optional[BaseException], observations: list[Any]
 ) -> None:
+    from .. import report as _report
+    from . import trace
     recorder = item.stash.get(_TRACE, None)
     if recorder is None:
         return
@@ -176,6 +181,8 @@ class _Tracer:
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, Any, Any]:
         if not self.is_watched(item):
             return (yield)
+        from . import trace
+
         recorder = item.stash[_TRACE] = trace.StepTrace()
         recorder.start()
         try:
@@ -196,7 +203,7 @@ class _WorkerCollection:
 
 
 class _XdistCollection:
-    def __init__(self, adoption: "_Adoption") -> None:
+    def __init__(self, adoption: _Adoption) -> None:
         self.adoption = adoption
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
@@ -209,9 +216,15 @@ class _Adoption:
     """On the xdist controller (or the only process): known / new / stale findings, the baseline update, annotations."""
 
     def __init__(self, config: pytest.Config, settings: Any, known: Optional[baseline.Baseline]) -> None:
+        from . import github
+
         self.config = config
         self.settings = settings
-        self.session = baseline.Session(known) if known is not None else None
+        self.session: Optional[baseline.Session] = None
+        if known is not None:
+            from . import baseline
+
+            self.session = baseline.Session(known)
         self.annotate = github.enabled(settings.annotations)
         #: (test id, its observations, whether findings failed it, the test's own (file, line)).
         self.tests: list[tuple[str, list[baseline.Observation], bool, tuple[str, int]]] = []
@@ -241,7 +254,7 @@ class _Adoption:
         if report.when != "call":
             return
         data = getattr(report, "torchperf_findings", None) or []
-        observations = [baseline.Observation.from_dict(d) for d in data]
+        observations = _observations(data)
         on_findings = bool(getattr(report, "torchperf_failed_on_findings", False)) and report.failed
         if self.session is not None and (report.passed or on_findings):
             self.session.record(report.nodeid, observations)
@@ -261,6 +274,7 @@ class _Adoption:
 
     def _levels(self) -> list[tuple[str, baseline.Observation, str, str, tuple[str, int]]]:
         """Each finding with its verdict: (test, observation, error|warning, note, fallback location)."""
+        from . import baseline, github
         out = []
         for nodeid, observations, on_findings, fallback in self.tests:
             entries = self.session.baseline.entries(nodeid) if self.session is not None else []
@@ -280,6 +294,7 @@ class _Adoption:
 
     @pytest.hookimpl(trylast=True)  # after the torchperf summary
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        from . import github
         tr = terminalreporter
         if self.session is not None:
             self._baseline_summary(tr)
@@ -292,6 +307,7 @@ class _Adoption:
                 tr.write_line(annotation.text())
 
     def _baseline_summary(self, tr: Any) -> None:
+        from . import baseline
         assert self.session is not None
         verbose = (self.config.getoption("verbose", 0) or 0) > 0
         comparisons = self.session.comparisons()
@@ -319,3 +335,12 @@ class _Adoption:
             tr.write_line(f"torchperf baseline: wrote {self.written} ({counts})")
         elif self.stale:
             tr.write_line("torchperf baseline: refresh it with --torchperf-baseline-update to drop the stale entries")
+
+
+def _observations(data: list[dict[str, Any]]) -> list[baseline.Observation]:
+    """A report's findings as observations (the baseline module loads only when there are some)."""
+    if not data:
+        return []
+    from . import baseline
+
+    return [baseline.Observation.from_dict(d) for d in data]

@@ -13,13 +13,13 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 
+from ..constants import OVERHEAD_INCONCLUSIVE, SCOPES
+from ..errors import UsageError, suggest
 from . import adoption, project
-from .constants import OVERHEAD_INCONCLUSIVE, SCOPES
-from .errors import UsageError, suggest
 
 __all__ = ["Settings", "Threads", "add_options", "apply_threads", "resolve_settings", "session_defaults"]
 
@@ -162,27 +162,35 @@ def add_options(parser: pytest.Parser) -> None:
     )
     adoption.add_options(group, _annotations_arg)
     parser.addini("torchperf_json", "write the torchperf JSON report to this path", type="string", default="")
-    parser.addini("torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default="")
+    parser.addini(
+        "torchperf_scope", f"default scope of the step checks: {', '.join(SCOPES)}", type="string", default=""
+    )
     parser.addini("torchperf_report_only", "report broken invariants without failing tests", type="bool", default=False)
-    parser.addini("torchperf_threads", "torch CPU threads per process: auto, off or a number", type="string", default="")
+    parser.addini(
+        "torchperf_threads", "torch CPU threads per process: auto, off or a number", type="string", default=""
+    )
     parser.addini(
         "torchperf_overhead_inconclusive",
         f"what an inconclusive max_overhead verdict does: {', '.join(OVERHEAD_INCONCLUSIVE)}",
         type="string",
         default="",
     )
-    parser.addini("torchperf_max_sync_rate", "default max_sync_rate of no_host_sync (0 to 1)", type="string", default="")
+    parser.addini(
+        "torchperf_max_sync_rate", "default max_sync_rate of no_host_sync (0 to 1)", type="string", default=""
+    )
     parser.addini(
         "torchperf_user_packages", "import packages that are your code even when installed", type="args", default=[]
     )
     adoption.add_ini(parser)
-    parser.addini("torchperf_full_stacks", "show every frame of a report's stacks: true or false", type="string", default="")
+    parser.addini(
+        "torchperf_full_stacks", "show every frame of a report's stacks: true or false", type="string", default=""
+    )
 
 
 def resolve_settings(config: pytest.Config) -> Settings:
     """Command line > ini > default, with ini values validated like command-line ones."""
 
-    def ini(name: str, check: Any) -> Optional[str]:
+    def ini(name: str, check: Callable[[str], Any]) -> Any:
         value = str(config.getini(name) or "").strip()
         if not value:
             return None
