@@ -25,7 +25,8 @@ __all__ = ["NAME", "PACKAGES", "SETTINGS", "hint", "install", "launchers", "repl
 
 NAME = "accelerate"
 PACKAGES = ("accelerate",)
-#: Settings that fix what an invariant found in an object accelerate built (see :func:`~pytest_torchperf.frameworks.setting`).
+#: Settings that fix what an invariant found in an object accelerate built
+#: (see :func:`~pytest_torchperf.frameworks.setting`).
 SETTINGS = {
     "no_unused_parameters_search": (
         "accelerate wraps the model in DistributedDataParallel with the DistributedDataParallelKwargs you pass: "

@@ -104,7 +104,8 @@ class DDPProbe(Probe):
 
             return prepare_for_backward
 
-        patcher.wrap(DistributedDataParallel, "__init__", record_creation(self, self.created, lambda: flags.active, self.built_by))
+        record = record_creation(self, self.created, lambda: flags.active, self.built_by)
+        patcher.wrap(DistributedDataParallel, "__init__", record)
         patcher.wrap(DistributedDataParallel, "forward", wrap_forward)
         reducer = getattr(getattr(torch._C, "_distributed_c10d", None), "Reducer", None)
         if reducer is not None and callable(vars(reducer).get("prepare_for_backward")):
