@@ -393,3 +393,50 @@ def test_two_loaders_built_by_one_line_and_used_side_by_side_are_two_loaders(use
         f"called from test_pair.py:7, the {which} built there)"
         for which in ("first", "second")
     ]
+
+
+def test_a_loader_and_ddp_that_lightning_built_get_lightnings_settings_as_the_hint(
+    user_models: pytest.Pytester,
+) -> None:
+    # strategy="ddp" on one CPU device: Lightning wraps the model in DDP and re-creates the user's loader with a
+    # distributed sampler, both from the test's fit line: the hints name what the user writes (the loader their
+    # hook returns, the Trainer's strategy), never DistributedDataParallel(...) they did not call.
+    user_models.makepyfile(
+        test_built="""
+        import os
+        import pytest
+        from torchperf_models import TinyModule, make_loader, make_trainer
+
+        @pytest.mark.torchperf(no_unused_parameters_search=True)
+        def test_fit(tmp_path, monkeypatch):
+            monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+            monkeypatch.setenv("MASTER_PORT", "29531")
+            trainer = make_trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, accelerator="cpu", devices=1,
+                                   strategy="ddp_find_unused_parameters_true")
+            trainer.fit(TinyModule(), make_loader(num_workers=1, persistent_workers=False))
+        """
+    )
+    result = user_models.runpytest_subprocess("-p", "no:warnings")  # its process group outlives the test
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*persistent_workers=False) (built by lightning, called from test_built.py:11) started a new worker pool*",
+            "*hint: pass persistent_workers=True to the DataLoader your *_dataloader() hook (or fit's argument) "
+            "returns: Lightning re-creates it*",
+        ]
+    )
+    result.stdout.fnmatch_lines(['*hint: use Trainer(strategy="ddp") instead of "ddp_find_unused_parameters_true"*'])
+    assert "drop find_unused_parameters=True" not in result.stdout.str()
+
+
+def test_the_hugging_face_trainers_settings_are_what_a_hint_names_for_what_it_built() -> None:
+    # transformers is not in the test environment: the Trainer's branch at unit level. A stack whose frames
+    # below the user's line are a framework's is "built by" that framework; the setting is its own.
+    from pytest_torchperf import frameworks
+
+    assert "TrainingArguments(ddp_find_unused_parameters=False)" in frameworks.setting(
+        "transformers", "no_unused_parameters_search")
+    assert "TrainingArguments(dataloader_persistent_workers=True)" in frameworks.setting(
+        "transformers", "no_iterator_reset")
+    assert frameworks.setting(None, "no_iterator_reset") == ""
+    assert frameworks.setting("ignite", "no_iterator_reset") == ""

@@ -533,3 +533,48 @@ def test_a_device_factory_indexed_and_moved_passes(tmp_path: Path) -> None:
     module, _ = write_module(tmp_path, "reached_device", HELPER_LOOP.format(line=line))
     report = report_of(module.train, watch, torch.nn.Linear(8, 1), batches(3))
     assert report["on_device"].status == "passed", report["on_device"].summary
+
+
+#: A tokenizer's padded batch, written here (transformers is not in the test environment): a ``UserDict`` of
+#: tensors built on the host from text, with its own ``.to(device)`` (what ``transformers.BatchEncoding`` is).
+ENCODING_LOOP = """
+from collections import UserDict
+
+import torch
+
+
+class Encoding(UserDict):
+    def to(self, device):
+        self.data = {key: value.to(device) for key, value in self.data.items()}
+        return self
+
+
+def tokenize(texts):
+    longest = max(len(text.split()) for text in texts)
+    ids = [[len(word) for word in text.split()] + [0] * (longest - len(text.split())) for text in texts]
+    return Encoding(input_ids=torch.tensor(ids), attention_mask=torch.tensor(ids).gt(0).long())
+
+
+TEXTS = ["a tiny batch", "of text", "padded to one length", "each step"]
+
+
+def train(watch, model, batches, collate=False):
+    dev = torch.device("cpu")
+    loader = torch.utils.data.DataLoader(TEXTS, batch_size=2, collate_fn=tokenize)
+    with watch() as run:
+        for step in range(3):
+            with run.step():
+                batch = next(iter(loader)) if collate else tokenize(TEXTS[:2])
+                batch = batch.to(dev)  # HERE
+                model(batch["input_ids"].float()[:, :1]).sum().backward()
+    return run
+"""
+
+
+@pytest.mark.parametrize("collate", [False, True], ids=["built_in_the_step", "from_a_collate_fn"])
+def test_a_tokenizers_padded_batch_moved_by_its_own_to_is_input_data(tmp_path: Path, collate: bool) -> None:
+    module, _ = write_module(tmp_path, f"encoding_{collate}", ENCODING_LOOP)
+    report = report_of(module.train, watch, torch.nn.Linear(1, 1), None, collate)
+    check = report["on_device"]
+    assert check.status == "passed", check.render(False)
+    assert check.summary == "no host-built tensor copied over 3 steps"

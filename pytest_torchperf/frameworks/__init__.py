@@ -23,6 +23,11 @@ patches is undone with that patcher. It tells:
 - ``hint(frame, op) -> str``: the setting that removes the framework's own sync
   (or copy) made at ``frame`` (a :class:`~pytest_torchperf.stacks.Frame`;
   ``op``: the kind of operation, ``"value"``, ``"branch"``...), or ``""``;
+- ``SETTINGS``: invariant name -> the framework's own setting that fixes what
+  that invariant found in an object *the framework built* (the Hugging Face
+  Trainer's DataLoader or DDP wrapper: ``TrainingArguments(...)``, not the
+  ``DataLoader(...)`` argument the user never writes); see :func:`built_by`
+  and :func:`setting`;
 
 and, each ``None`` where the framework does not provide it:
 
@@ -46,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -69,11 +74,13 @@ __all__ = [
     "Replay",
     "Stage",
     "adapter",
+    "built_by",
     "current_call",
     "hint",
     "install",
     "launch_spec",
     "launchers",
+    "setting",
     "stage",
     "unobserved",
 ]
@@ -131,6 +138,7 @@ class Adapter(Protocol):
 
     NAME: str
     PACKAGES: tuple[str, ...]
+    SETTINGS: Mapping[str, str]
     stage: Optional[Callable[[FrameworkCall], Optional[Stage]]]
     replay: Optional[Replay]
     launchers: Optional[Launchers]
@@ -171,6 +179,52 @@ def hint(frame: Any, op: str) -> str:
         if text:
             return str(text)
     return ""
+
+
+def _adapter_of(filename: str) -> Optional[str]:
+    """The adapter whose framework's package holds ``filename``."""
+    import os
+
+    from ..stacks import package_locations
+
+    path = os.path.realpath(filename)
+    for name in ADAPTERS:
+        for package in adapter(name).PACKAGES:
+            for location in package_locations(package):
+                root = os.path.realpath(location)
+                if path == root or path.startswith(root.rstrip(os.sep) + os.sep):
+                    return name
+    return None
+
+
+def built_by(stack: Sequence[Any]) -> Optional[str]:
+    """The framework that built what ``stack`` (outermost frame first) shows, or None: the user built it.
+
+    That is the framework of the first framework frame below the user's innermost line (the Hugging Face
+    ``Trainer.train`` that builds its DataLoader and, through accelerate, its DDP wrapper: transformers, the
+    outer of the two). A library frame there first (not a framework's) means neither the user nor a framework
+    chose the arguments: None. A framework's pass-through wrapper of the constructor itself (Lightning wraps
+    ``DataLoader.__init__`` to record the user's arguments: a function named ``wrapper``) leaves the call the
+    user's own.
+    """
+    from ..stacks import FRAMEWORK, LIBRARY, USER
+
+    frames = list(stack)
+    last_user = max((i for i, frame in enumerate(frames) if frame.kind == USER), default=-1)
+    for frame in frames[last_user + 1:]:
+        kind = frame.kind
+        if kind == FRAMEWORK and frame.function != "wrapper":
+            return _adapter_of(frame.filename)
+        if kind == LIBRARY:
+            return None
+    return None
+
+
+def setting(framework: Optional[str], invariant: str) -> str:
+    """The setting of ``framework`` that fixes what ``invariant`` found in an object it built, or ``""``."""
+    if framework not in ADAPTERS:
+        return ""
+    return str(adapter(framework).SETTINGS.get(invariant, ""))
 
 
 def current_call(framework: Optional[str] = None) -> Optional[FrameworkCall]:

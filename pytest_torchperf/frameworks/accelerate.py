@@ -21,10 +21,19 @@ from typing import Any
 
 from ..patching import Patcher
 
-__all__ = ["NAME", "PACKAGES", "hint", "install", "launchers", "replay", "stage"]
+__all__ = ["NAME", "PACKAGES", "SETTINGS", "hint", "install", "launchers", "replay", "stage"]
 
 NAME = "accelerate"
 PACKAGES = ("accelerate",)
+#: Settings that fix what an invariant found in an object accelerate built
+#: (see :func:`~pytest_torchperf.frameworks.setting`).
+SETTINGS = {
+    "no_unused_parameters_search": (
+        "accelerate wraps the model in DistributedDataParallel with the DistributedDataParallelKwargs you pass: "
+        "drop find_unused_parameters=True from Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(...)]) "
+        "(its default does not search)"
+    ),
+}
 #: Capabilities this framework does not provide (see :class:`pytest_torchperf.frameworks.Adapter`).
 stage = None
 replay = None

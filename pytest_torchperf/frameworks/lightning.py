@@ -46,6 +46,7 @@ from ._calls import FrameworkCall, Observed
 __all__ = [
     "NAME",
     "PACKAGES",
+    "SETTINGS",
     "ObservedCall",
     "hint",
     "install",
@@ -61,6 +62,16 @@ __all__ = [
 NAME = "lightning"
 #: Lightning's packages (torchmetrics is a library the user calls: judged at the user's calling line).
 PACKAGES = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities")
+#: Settings that fix what an invariant found in an object Lightning built (see
+#: :func:`~pytest_torchperf.frameworks.setting`): Lightning re-creates the user's DataLoader (a distributed
+#: sampler) with the user's own arguments. (The DDP it builds is named by its strategy, which the run's
+#: trainer tells: ``no_unused_parameters_search`` writes that hint itself.)
+SETTINGS = {
+    "no_iterator_reset": (
+        "pass persistent_workers=True to the DataLoader your *_dataloader() hook (or fit's argument) returns: "
+        "Lightning re-creates it with your arguments, and with persistent workers one pool serves every epoch"
+    ),
+}
 
 #: Trainer module -> the package it belongs to.
 _TRAINER_MODULES = {

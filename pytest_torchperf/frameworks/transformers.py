@@ -30,10 +30,22 @@ from .. import core
 from ..patching import Patcher, wraps
 from . import _calls
 
-__all__ = ["NAME", "PACKAGES", "hint", "install", "launchers", "replay", "stage"]
+__all__ = ["NAME", "PACKAGES", "SETTINGS", "hint", "install", "launchers", "replay", "stage"]
 
 NAME = "transformers"
 PACKAGES = ("transformers",)
+#: Settings that fix what an invariant found in an object the Trainer built (its DataLoaders and, through
+#: accelerate, its DistributedDataParallel wrapper): the TrainingArguments that the user controls.
+SETTINGS = {
+    "no_unused_parameters_search": (
+        "pass TrainingArguments(ddp_find_unused_parameters=False): the Trainer builds the DistributedDataParallel "
+        "wrapper, and with the default (None) it searches unless gradient checkpointing is on"
+    ),
+    "no_iterator_reset": (
+        "pass TrainingArguments(dataloader_persistent_workers=True): the Trainer builds this DataLoader from its "
+        "arguments (dataloader_num_workers), and with persistent workers one pool serves every epoch"
+    ),
+}
 #: Capabilities this framework does not provide (see :class:`pytest_torchperf.frameworks.Adapter`).
 stage = None
 replay = None

@@ -18,8 +18,11 @@ class Context:
         self.spawn = False  # Lightning's strategy starts its ranks with torch.multiprocessing (ddp_spawn)
         self.manual_optimization = False
         self.strategy: Optional[str] = None
+        #: The framework whose call trained (an adapter's NAME), if any.
+        self.framework: Optional[str] = None
 
     def on_framework_call(self, call: FrameworkCall) -> None:
+        self.framework = call.framework
         strategy = getattr(call.trainer, "strategy", None)
         if call.framework != "lightning" or strategy is None:
             return

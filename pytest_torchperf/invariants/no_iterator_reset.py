@@ -79,6 +79,8 @@ class _Loader:
         mine = [f for f in self.created or () if f.is_user]
         self.chain: tuple[Frame, ...] = tuple(mine)
         self.built_at = self.chain[-1].location() if self.chain else None
+        #: The framework whose code built it from your line (the Hugging Face Trainer builds its own), or None.
+        self.built_by: Optional[str] = LOADERS.built_by.get(loader)
         #: Set by the verdict: the name shown in reports (with the line that built it).
         self.description = self.kind
         self.passes = 0
@@ -194,8 +196,9 @@ class IteratorResetCheck(Check):
     def _rebuilt_finding(self, group: list[_Loader], extra: list[tuple[_Loader, _Event]]) -> Finding:
         first = group[0]
         pools = [(rec, p) for rec in group for p in rec.pools()]
+        where = f"by {first.built_by}, called from {first.built_at}" if first.built_by else f"at {first.built_at}"
         title = (
-            f"{first.kind} built at {first.built_at} was built again {times(len(group) - 1)}, and each new "
+            f"{first.kind} built {where} was built again {times(len(group) - 1)}, and each new "
             f"loader started its own worker pool: {len(pools)} pools"
         )
         facts = [f"worker pools started in: {', '.join(p.label for _, p in pools)}"]
@@ -207,6 +210,9 @@ class IteratorResetCheck(Check):
             f"build this DataLoader once, outside the epoch loop, with persistent_workers=True: one pool of "
             f"{first.num_workers} workers (and their copies of the dataset) then serves every epoch"
         )
+        own = frameworks.setting(first.built_by, NAME)
+        if own:
+            hint = own
         if reload:
             every = reload[0]
             period = "every epoch" if every == 1 else f"every {every} epochs"
@@ -264,7 +270,7 @@ class IteratorResetCheck(Check):
                 "(pytorch-lightning 1.5.0 did this every epoch; fixed in 1.5.1)."
             )
         else:
-            hint = (
+            hint = frameworks.setting(rec.built_by, NAME) or (
                 f"pass persistent_workers=True to this DataLoader so its {rec.num_workers} workers "
                 "and their copies of the dataset survive between epochs instead of being respawned."
             )
@@ -298,12 +304,14 @@ class IteratorResetCheck(Check):
                 rec.description = f"{rec.kind} ({where})"
                 continue
             where = rec.built_at
+            if rec.built_by is not None:
+                where = f"by {rec.built_by}, called from {where}"
             if by_line[rec.built_at] > 1 and len(rec.chain) > 1:
                 where += f", called from {rec.chain[-2].location()}"
             twins = sorted(by_chain[rec.key], key=lambda r: r.order if r.order is not None else -1)
             if len(twins) > 1:
                 where += f", the {_ORDINALS.get(twins.index(rec) + 1, str(twins.index(rec) + 1) + 'th')} built there"
-            rec.description = f"{rec.kind} (built at {where})"
+            rec.description = f"{rec.kind} (built {'' if rec.built_by else 'at '}{where})"
         for rec in loaders:
             first = copies.get(id(rec))
             if first is not None:

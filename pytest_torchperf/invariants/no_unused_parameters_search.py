@@ -23,7 +23,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
-from .. import core
+from .. import core, frameworks
 from ..arguments import Flag
 from ..core import Check
 from ..probes.ddp import PROBE, reducer_parameter_names
@@ -49,6 +49,8 @@ class _Module:
             getattr(ddp, "static_graph", False)
         )
         self.created: Optional[Stack] = PROBE.created.get(ddp)
+        #: The framework that built it (None: the user did, or it was built before the run).
+        self.built_by: Optional[str] = PROBE.built_by.get(ddp)
         self.first_forward: Optional[Stack] = None
         self.description = f"DistributedDataParallel({type(ddp.module).__name__})"
         self.names = reducer_parameter_names(ddp) if self.searching else []
@@ -184,7 +186,7 @@ class UnusedParametersCheck(Check):
                             "every iteration",
                         ],
                         sites,
-                        self._hint(),
+                        self._hint(rec),
                     )
                 )
             else:
@@ -220,13 +222,18 @@ class UnusedParametersCheck(Check):
             figures,
         )
 
-    def _hint(self) -> str:
+    def _hint(self, rec: _Module) -> str:
+        """The setting the user controls: the framework's when a framework built the DDP module."""
         ctx = self.context
-        if ctx.lightning:
+        built_by = rec.built_by if rec.created is not None else ctx.framework
+        if built_by == "lightning" and ctx.lightning:
             return (
                 f"use Trainer(strategy=\"{ctx.ddp_name}\") instead of \"{ctx.ddp_name}_find_unused_parameters_true\" "
                 "(or DDPStrategy(find_unused_parameters=False)); Lightning's default does not search"
             )
+        own = frameworks.setting(built_by, NAME)
+        if own:
+            return own
         return (
             "drop find_unused_parameters=True: DistributedDataParallel(model) does not search (Fabric: "
             "strategy=\"ddp\" or DDPStrategy(find_unused_parameters=False)); if the same parameters are unused in "

@@ -147,9 +147,14 @@ def accelerator_available() -> bool:
         return False
 
 
-def record_creation(probe: Probe, created: Any, wanted: Callable[[], bool]) -> Callable[[Any], Any]:
+def record_creation(
+    probe: Probe, created: Any, wanted: Callable[[], bool], builders: Any = None
+) -> Callable[[Any], Any]:
     """A ``wrap`` maker for a class's ``__init__``: while ``wanted()``, ``created[instance]`` becomes the
-    stack that built it, cut at the user's innermost frame (the line worth showing)."""
+    stack that built it, cut at the user's innermost frame (the line worth showing); with ``builders``,
+    ``builders[instance]`` the framework whose code below that line built it (a Trainer building its own
+    DataLoader or DDP wrapper: :func:`pytest_torchperf.frameworks.built_by`), when one did."""
+    from ..frameworks import built_by
     from ..stacks import capture, until_user_frame
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -159,7 +164,11 @@ def record_creation(probe: Probe, created: Any, wanted: Callable[[], bool]) -> C
             original(self, *args, **kwargs)
             if wanted():
                 try:
-                    created[self] = until_user_frame(capture(2))
+                    stack = capture(2)
+                    created[self] = until_user_frame(stack)
+                    framework = built_by(stack) if builders is not None else None
+                    if framework is not None:
+                        builders[self] = framework
                 except Exception as exc:  # noqa: BLE001 - never into the user's code
                     probe.failed(exc)
 

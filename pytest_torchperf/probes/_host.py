@@ -13,6 +13,7 @@ dictionary lookup. The patches that fill it are in :mod:`.tensors` and
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -279,11 +280,14 @@ class HostRegistry:
         table[key] = ref
 
     def mark_batch(self, batch: Any, depth: int = 0) -> None:
-        """Remember every tensor of a batch (tuples, lists, dicts, a few levels deep)."""
+        """Remember every tensor of a batch (tuples, lists, mappings, a few levels deep).
+
+        A mapping is any ``collections.abc.Mapping``: a dict, or a ``UserDict`` such as a tokenizer's
+        ``BatchEncoding``, however it was collated."""
         if isinstance(batch, self.tensor_type):
             self.remember_loader(batch)
         elif depth < 4:
-            if isinstance(batch, dict):
+            if isinstance(batch, Mapping):
                 for value in batch.values():
                     self.mark_batch(value, depth + 1)
             elif isinstance(batch, (list, tuple)):
@@ -416,6 +420,12 @@ class HostRegistry:
                 and out.device.type not in ("cpu", "meta")
             )
             known = birth if birth is not None and not birth.with_module else None
+            if (known is not None or real) and moved_with_its_batch(frame, tensor):
+                # Input data, like a DataLoader's batch (whose birth is not the point): told as one.
+                self.remember_loader(tensor)
+                if isinstance(out, self.tensor_type):
+                    self.remember_loader(out)
+                known = None
             if known is not None or real:
                 self.tell(Move(op, tensor, known, first, target, frame, real))
         if birth is not None and first and out is tensor:
@@ -511,3 +521,27 @@ class _SubclassDispatch:
 
 def subclass_dispatch(torch: Any) -> _SubclassDispatch:
     return _SubclassDispatch(torch)
+
+
+def moved_with_its_batch(frame: Optional[FrameType], tensor: Any, depth: int = 3) -> bool:
+    """Whether ``tensor`` moves as one value of a mapping's own ``.to(device)``, ``frame`` being the frame that
+    called ``Tensor.to``: a tokenizer's padded ``BatchEncoding(...).to(device)``, or any ``Mapping`` of tensors
+    with a ``to`` method. That batch is input data, whoever collated it: its tensors are built on the host from
+    text or files, and moved once each step by design (what a DataLoader's batches are).
+
+    Looks at ``frame`` and the few frames above it (a comprehension is a frame of its own before 3.12) for a
+    function named ``to`` whose ``self`` is a mapping holding ``tensor``; read only for a real host-to-device
+    copy in scope, never per operation.
+    """
+    while frame is not None and depth > 0:
+        if frame.f_code.co_name == "to":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Mapping):
+                try:
+                    return any(value is tensor for value in owner.values())
+                except Exception:  # noqa: BLE001 - a mapping whose values cannot be read: not a batch
+                    return False
+            return False
+        frame = frame.f_back
+        depth -= 1
+    return False

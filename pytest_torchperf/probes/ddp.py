@@ -60,10 +60,14 @@ class DDPProbe(Probe):
         super().__init__()
         #: DDP instance -> the stack where it was built (while a run watched).
         self.created: weakref.WeakKeyDictionary[Any, Stack] = weakref.WeakKeyDictionary()
+        #: DDP instance -> the framework that built it from the user's line (Lightning's strategy, the
+        #: Hugging Face Trainer through accelerate), for the hints that must name the framework's setting.
+        self.built_by: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
     def reset(self) -> None:
         super().reset()
         self.created.clear()
+        self.built_by.clear()
 
     def install(self, patcher: Patcher) -> None:
         import torch
@@ -100,7 +104,8 @@ class DDPProbe(Probe):
 
             return prepare_for_backward
 
-        patcher.wrap(DistributedDataParallel, "__init__", record_creation(self, self.created, lambda: flags.active))
+        record = record_creation(self, self.created, lambda: flags.active, self.built_by)
+        patcher.wrap(DistributedDataParallel, "__init__", record)
         patcher.wrap(DistributedDataParallel, "forward", wrap_forward)
         reducer = getattr(getattr(torch._C, "_distributed_c10d", None), "Reducer", None)
         if reducer is not None and callable(vars(reducer).get("prepare_for_backward")):

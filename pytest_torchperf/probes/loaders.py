@@ -223,6 +223,8 @@ class LoadersProbe(Probe):
         super().__init__()
         #: Loader -> the stack that built it (only loaders built while a run was active).
         self.created: weakref.WeakKeyDictionary[Any, Stack] = weakref.WeakKeyDictionary()
+        #: Loader -> the framework that built it from the user's line (the Hugging Face Trainer builds its own).
+        self.built_by: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         #: Iterator -> the loader it iterates.
         self.loader_of: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         #: Run -> its log, for the runs whose checks asked for one.
@@ -233,6 +235,7 @@ class LoadersProbe(Probe):
     def reset(self) -> None:
         super().reset()
         self.created.clear()
+        self.built_by.clear()
         self.loader_of.clear()
         self.batching = any(log.batches for log in self.logs.values())
 
@@ -311,7 +314,9 @@ class LoadersProbe(Probe):
             return __next__
 
         patcher.wrap(
-            dl.DataLoader, "__init__", record_creation(self, self.created, lambda: flags.active and bool(probe.logs))
+            dl.DataLoader,
+            "__init__",
+            record_creation(self, self.created, lambda: flags.active and bool(probe.logs), self.built_by),
         )
         patcher.wrap(dl.DataLoader, "__iter__", wrap_iter)
         patcher.wrap(dl._BaseDataLoaderIter, "__init__", wrap_iterator_init)
