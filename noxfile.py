@@ -176,7 +176,8 @@ print(f"torch {torch.__version__}, no CUDA packages")
 
 
 def check_torch(session: nox.Session) -> None:
-    session.run("python", "-c", CHECK_TORCH, silent=True)
+    """Fail unless the environment has torch 2.13.0 and no CUDA package."""
+    session.log(str(session.run("python", "-c", CHECK_TORCH, silent=True, log=False)).strip())
 
 
 def plugin_wheel() -> str:
