@@ -6,7 +6,7 @@
     nox                          # the test command: everything CI runs (scripts/run-tests.sh adds --parallel)
 
 Environments are made with uv where it is installed (``uv|virtualenv``): uv links the files of a
-package from its cache, so the ten environments with torch share one copy of it on disk. Every
+package from its cache, so the environments with torch share one copy of it on disk. Every
 environment with torch pins ``torch==2.13.0`` and checks, once installed, that it got that version and
 no CUDA package (``nvidia-*``, ``triton``): no silent fallback to a multi-GB CUDA build.
 
@@ -215,9 +215,11 @@ def example_suites() -> list[str]:
 @nox.session(requires=[f"pytorch-lightning-{v}" for v in LEGACY_LIGHTNING], allow_parallel=True)
 def tests(session: nox.Session) -> None:
     """The test suite on 2 xdist workers (TORCHPERF_WORKERS); arguments after ``--`` replace that."""
-    install_editable(session, TORCH, target=".[test]")
+    # pip too: tests/test_examples.py and tests/test_user_code.py install example projects with it (uv's
+    # environments have none of their own).
+    install_editable(session, TORCH, "pip", target=".[test]")
     check_torch(session)
-    args = session.posargs or ["-n", os.environ.get("TORCHPERF_WORKERS", "2")]
+    args = session.posargs or ["-n", os.environ.get("TORCHPERF_WORKERS", "2"), "-rs"]  # -rs: why each skip
     legacy = Path(session.virtualenv.location).parent  # type: ignore[union-attr]
     # Exit code 5 (no test selected: a -k that matches nothing) is not a failure of the suite.
     session.run("python", "-m", "pytest", *args, success_codes=[0, 5],
@@ -239,7 +241,7 @@ def types(session: nox.Session) -> None:
     session.run("mypy", *session.posargs)
 
 
-@nox.session(allow_parallel=True)
+@nox.session(default=False, allow_parallel=True)
 def docs(session: nox.Session) -> None:
     """The docs site: ``mkdocs build --strict`` (the suite's tests/test_docs.py builds it as well)."""
     session.install(*extra("docs"))
@@ -264,8 +266,9 @@ def build(session: nox.Session) -> None:
 @nox.session(name="package", requires=["build"], reuse_venv=False, allow_parallel=True)
 @nox.parametrize("dist", ["wheel", "sdist"])
 def package(session: nox.Session, dist: str) -> None:
-    """The built wheel or sdist installed in a fresh environment (with torch 2.13.0), then
-    scripts/smoke_test.py, run from outside the repository."""
+    """The built wheel or sdist in a fresh environment, smoke-tested from outside the repository.
+
+    With torch 2.13.0; scripts/smoke_test.py checks the metadata and runs a buggy and a fixed test."""
     built = plugin_wheel() if dist == "wheel" else str(next(DIST.glob("pytest_torchperf-*.tar.gz")))
     session.install(TORCH, built)
     check_torch(session)
@@ -279,8 +282,10 @@ def package(session: nox.Session, dist: str) -> None:
 
 @nox.session(name="compat-lightning", requires=["build"], allow_parallel=True)
 def compat_lightning(session: nox.Session) -> None:
-    """The unified ``lightning`` package and NOT pytorch_lightning: its own tests, the Lightning-facing test
-    modules and every example suite (each *_buggy fails, each *_fixed passes)."""
+    """The unified ``lightning`` package (no pytorch_lightning): its tests, Lightning's tests, the examples.
+
+    Its own tests, the Lightning-facing test modules and every example suite (each *_buggy fails, each
+    *_fixed passes), with pytorch_lightning absent so that nothing can fall back to it."""
     session.install(TORCH, "pytest", "pytest-xdist")
     # `lightning` declares pytorch-lightning as a dependency but never imports it: leave it out, so nothing
     # can fall back to the older package, and install what `lightning` does import.
@@ -304,8 +309,10 @@ def compat_lightning(session: nox.Session) -> None:
 
 @nox.session(name="compat-transformers", requires=["build"], allow_parallel=True)
 def compat_transformers(session: nox.Session) -> None:
-    """transformers without Lightning: the Hugging Face Trainer's tests and the README's snippet of it (where
-    transformers is installed, every `import pytorch_lightning` imports it too: 1.5 s a process)."""
+    """transformers without Lightning: the Hugging Face Trainer's tests and the README's snippet.
+
+    Apart from the suite: where transformers is installed, every `import pytorch_lightning` imports it too
+    (torchmetrics' BERTScore), 1.5 s more in each process that imports Lightning."""
     session.install(TORCH, f"{plugin_wheel()}[test-transformers]")
     install_plugin_wheel(session)
     check_torch(session)
@@ -315,8 +322,7 @@ def compat_transformers(session: nox.Session) -> None:
 
 @nox.session(name="compat-pytest-oldest", requires=["build"], allow_parallel=True)
 def compat_pytest_oldest(session: nox.Session) -> None:
-    """The oldest pytest and pluggy supported, with torch: the plugin-glue test modules (fast tier; the slow
-    tier's subprocess sessions run in the suite)."""
+    """The oldest pytest and pluggy supported, with torch: the plugin-glue test modules (fast tier)."""
     session.install(TORCH, f"pytest=={PYTEST_OLDEST}", f"pluggy=={PLUGGY_OLDEST}", "pytest-xdist",
                     "pytorch-lightning")
     install_plugin_wheel(session)
@@ -328,8 +334,9 @@ def compat_pytest_oldest(session: nox.Session) -> None:
 
 @nox.session(name="compat-torch-free", python=TORCH_FREE_PYTHONS, requires=["build"], allow_parallel=True)
 def compat_torch_free(session: nox.Session) -> None:
-    """Without torch, on the oldest Python (with the oldest pytest and pluggy) and the newest (the newest
-    pytest): the torch-free test modules (tests/conftest.py TORCH_FREE), _slots' own tests among them."""
+    """Python 3.9-3.13 without torch: the torch-free test modules (tests/conftest.py TORCH_FREE).
+
+    On the oldest Python with the oldest pytest and pluggy, on the others with the newest pytest."""
     if session.python == TORCH_FREE_PYTHONS[0]:
         session.install(f"pytest=={PYTEST_OLDEST}", f"pluggy=={PLUGGY_OLDEST}")
     else:
@@ -342,8 +349,9 @@ def compat_torch_free(session: nox.Session) -> None:
 
 
 def legacy_lightning(session: nox.Session, version: str) -> None:
-    """pytorch-lightning VERSION with torch 2.13.0, pytest and this plugin (editable), marked complete at
-    the end (tests/test_lightning_legacy.py runs examples/seed_bug in it)."""
+    """pytorch-lightning VERSION with torch 2.13.0, pytest and this plugin (editable).
+
+    Marked complete at the end: tests/test_lightning_legacy.py runs examples/seed_bug in it."""
     complete = Path(session.virtualenv.location) / ".torchperf-complete"  # type: ignore[union-attr]
     complete.unlink(missing_ok=True)
     session.install(TORCH, "pytest")
@@ -359,12 +367,16 @@ def legacy_lightning(session: nox.Session, version: str) -> None:
     complete.touch()
 
 
+def _legacy_session(version: str) -> None:
+    def session(session: nox.Session) -> None:
+        legacy_lightning(session, version)
+
+    session.__doc__ = f"pytorch-lightning {version}'s environment, for the seed bug (examples/seed_bug)."
+    nox.session(session, name=f"pytorch-lightning-{version}", allow_parallel=True)
+
+
 for _version in LEGACY_LIGHTNING:
-    nox.session(
-        lambda session, version=_version: legacy_lightning(session, version),
-        name=f"pytorch-lightning-{_version}",
-        allow_parallel=True,
-    )
+    _legacy_session(_version)
 
 
 # --- the examples and the benchmarks -----------------------------------------------------------------------
@@ -372,9 +384,11 @@ for _version in LEGACY_LIGHTNING:
 
 @nox.session(requires=[f"pytorch-lightning-{v}" for v in LEGACY_LIGHTNING], default=False)
 def examples(session: nox.Session) -> None:
-    """The main job: examples/seed_bug under pytorch-lightning 1.5.0 (fails with its report) and 1.5.1
-    (passes), each other example suite under the current Lightning (each *_buggy fails with a report, its
-    *_fixed twin passes), and examples/custom_invariant installed as a package of its own."""
+    """The main job: every example suite, showing real failure reports.
+
+    examples/seed_bug under pytorch-lightning 1.5.0 (fails with its report) and 1.5.1 (passes), each other
+    example suite under the current Lightning (each *_buggy fails with a report, its *_fixed twin passes),
+    and examples/custom_invariant installed as a package of its own."""
     install_editable(session, TORCH, target=".[lightning]")
     check_torch(session)
     envs = Path(session.virtualenv.location).parent  # type: ignore[union-attr]
@@ -405,8 +419,10 @@ def examples(session: nox.Session) -> None:
 
 @nox.session(allow_parallel=True)
 def benchmarks(session: nox.Session) -> None:
-    """Every benchmark script with its tiny ``--smoke`` setting, two at a time (so that none can rot; the
-    figures of a smoke run mean nothing). ``nox -s benchmarks -- `` with no arguments runs their defaults."""
+    """Every benchmark script with its tiny ``--smoke`` setting, two at a time, so that none can rot.
+
+    The figures of a smoke run mean nothing; ``nox -s benchmarks -- ARGS`` runs each with ARGS instead,
+    one at a time unless ARGS has --smoke."""
     install_editable(session, TORCH, target=".[test]")
     check_torch(session)
     args = session.posargs if session.posargs else ["--smoke"]
@@ -423,7 +439,7 @@ def dev(session: nox.Session) -> None:
     """``.venv``: torch 2.13.0, the test extras and this plugin (editable), for running single test files."""
     uv = shutil.which("uv")
     if uv:
-        session.run(uv, "venv", "--allow-existing", "-p", sys.executable, ".venv", external=True)
+        session.run(uv, "venv", "--seed", "--allow-existing", "-p", sys.executable, ".venv", external=True)
         with tree_build_lock():
             session.run(uv, "pip", "install", "-p", ".venv/bin/python", TORCH, "-e", ".[test]", external=True)
     else:
