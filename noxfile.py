@@ -449,4 +449,9 @@ def dev(session: nox.Session) -> None:
     session.run(".venv/bin/python", "-c", CHECK_TORCH, external=True)
 
 
-# What `nox` runs without -s: the test command (CI), every session but the main job and .venv.
+# What `nox` runs without -s: the test command (CI), every session but the main job, the docs (the suite
+# builds them) and .venv. Longest first: under --parallel the short ones fill the cores at the end.
+nox.options.sessions = [
+    "tests", "compat-lightning", "benchmarks", "compat-pytest-oldest", "compat-transformers", "types",
+    "package", "lint", "compat-torch-free",
+]
