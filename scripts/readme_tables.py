@@ -6,7 +6,10 @@
 - ``docs/reference/events.md``: the events the built-in probes send (``core.EVENTS``);
 - ``docs/reference/json.md``: the JSON schema of the marker's arguments (``registry.options_schema()``), of
   each invariant's figures (``figures.schema()``) and the JSON report's layout (``results``);
-- ``docs/reference/modules.md``: the package's layout, one line per module (its docstring's first line).
+- ``docs/reference/modules.md``: the package's layout, one line per module (its docstring's first line);
+- ``docs/invariants/index.md``: every built-in invariant, on or off by default, between the same markers
+  as the README's table;
+- the report header quoted in the docs (``torchperf 0.1.0: 23 invariants``): the version and the count.
 
 A new built-in invariant (a name appended to ``registry.BUILTIN``) shows up in all of them; its page
 ``docs/invariants/<name>.md`` is linked once it exists. ``tests/test_docs.py`` fails when a file differs
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pytest_torchperf import core, figures, registry  # noqa: E402
+from pytest_torchperf._version import __version__  # noqa: E402
 from pytest_torchperf.glue import results, settings  # noqa: E402
 
 README = ROOT / "README.md"
@@ -49,7 +54,7 @@ def _builtin() -> list[registry.Invariant]:
 
 
 def _page(name: str, prefix: str) -> Optional[str]:
-    return f"{prefix}invariants/{name}.md" if (DOCS / "invariants" / f"{name}.md").exists() else None
+    return f"{prefix}{name}.md" if (DOCS / "invariants" / f"{name}.md").exists() else None
 
 
 def _settings_of(invariant: registry.Invariant) -> list[Any]:
@@ -68,10 +73,29 @@ def invariant_table(prefix: str) -> str:
     return "\n".join(rows)
 
 
-def readme(text: str) -> str:
+def between_markers(text: str, table: str) -> str:
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{invariant_table('docs/')}\n{END}{tail}"
+    return f"{head}{START}\n{table}\n{END}{tail}"
+
+
+def readme(text: str) -> str:
+    return between_markers(text, invariant_table("docs/invariants/"))
+
+
+#: Pages that quote the report header; ``HEADER`` matches its version and count.
+HEADER_PAGES = (DOCS / "guides" / "ci.md", DOCS / "getting-started.md")
+HEADER = re.compile(r"torchperf \d+\.\d+\.\d+\S*: \d+ invariants?")
+
+
+def header_line() -> str:
+    """The report header's start as a run prints it (pytest_torchperf/ci.py), from the registry."""
+    count = len(registry.BUILTIN)
+    return f"torchperf {__version__}: {count} invariant{'s' if count != 1 else ''}"
+
+
+def with_header(text: str) -> str:
+    return HEADER.sub(header_line(), text)
 
 
 def invariants_page() -> str:
@@ -85,7 +109,7 @@ def invariants_page() -> str:
         "`scope`, and the settings that tune the invariants. Every one is validated when the test is set up: "
         "a misspelt name is an error naming the closest valid one, a wrong type or range names what it accepts.",
         "",
-        invariant_table("../"),
+        invariant_table("../invariants/"),
         "",
         "## `scope`",
         "",
@@ -101,7 +125,7 @@ def invariants_page() -> str:
         lines.append(f"- accepts: {inv.argument.kind.describe(inv.meaning)}")
         probes = ", ".join(f"`{p}`" for p in registry.probe_names(inv))
         lines.append(f"- probes: {probes or 'none (it reads the run itself)'}")
-        page = _page(inv.name, "../")
+        page = _page(inv.name, "../invariants/")
         if page:
             lines.append(f"- page: [what breaks it, the report, what it cannot see]({page})")
         if inv.arguments:
@@ -279,6 +303,10 @@ def pages() -> dict[Path, str]:
         REFERENCE / "modules.md": modules_page(),
     }
     out[README] = readme(README.read_text(encoding="utf-8"))
+    index = DOCS / "invariants" / "index.md"
+    out[index] = between_markers(index.read_text(encoding="utf-8"), invariant_table(""))
+    for page in HEADER_PAGES:
+        out[page] = with_header(page.read_text(encoding="utf-8"))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Smoke test of an installed pytest-torchperf (run by scripts/check-package.sh, outside the repository).
+"""Smoke test of an installed pytest-torchperf (run by the nox sessions `package`, outside the repository).
 
 Checks the installed distribution (version in one place, license, type marker, the pytest entry
 point) and runs a small suite through pytest: a buggy test fails with the torchperf report, its

@@ -19,7 +19,7 @@ import pytest
 try:
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401
-except ImportError:  # the torch-free compatibility runs (see scripts/compat-envs.sh)
+except ImportError:  # the torch-free compatibility runs (noxfile.py `compat-torch-free`)
     torch = None  # type: ignore[assignment]
 
 try:

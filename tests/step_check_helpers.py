@@ -51,8 +51,9 @@ def report_of(fn: Any, *args: Any, **kwargs: Any) -> Report:
 
 def needs_transformers() -> None:
     """Skip without transformers; with ``TORCHPERF_REQUIRE_TRANSFORMERS=1`` (the side environment the test
-    command runs those tests in, scripts/compat-envs.sh) fail instead. It is not in the test extras: with it
-    installed, every ``import pytorch_lightning`` imports it too (torchmetrics' BERTScore), 1.5 s a process."""
+    command runs those tests in, the nox session ``compat-transformers``) fail instead. It is not in the test
+    extras: with it installed, every ``import pytorch_lightning`` imports it too (torchmetrics' BERTScore),
+    1.5 s a process."""
     if importlib.util.find_spec("transformers") is None:
         message = "transformers is not installed (pip install -e '.[test-transformers]')"
         if os.environ.get("TORCHPERF_REQUIRE_TRANSFORMERS") == "1":

@@ -129,6 +129,42 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     for name in registry.BUILTIN:
         assert f"invariants/{name}/index.html" in built
     assert {"reference/invariants/index.html", "reference/options/index.html", "cost/index.html"} <= built
+    # Lists render as lists: a Markdown list with no blank line before it (after a paragraph, or after a
+    # list item's continuation paragraph) is run into that paragraph, its "- " items as one block of text.
+    run_together = [
+        f"{page.relative_to(tmp_path / 'site').as_posix()}: {paragraph[:120]!r}"
+        for page in sorted((tmp_path / "site").rglob("*.html"))
+        for paragraph in re.findall(r"<p>(.*?)</p>", page.read_text(encoding="utf-8"), flags=re.S)
+        if re.search(r"\n\s*(?:[-*+]|\d+\.) ", paragraph)
+    ]
+    assert not run_together, run_together
+
+
+def test_a_list_run_into_its_paragraph_is_what_the_site_check_finds(tmp_path: Path) -> None:
+    """The check above, on a page built from both spellings: only the one without the blank line is found."""
+    import markdown
+
+    html = markdown.markdown("Text:\n- a\n- b\n\nText:\n\n- c\n- d\n")
+    paragraphs = re.findall(r"<p>(.*?)</p>", html, flags=re.S)
+    assert [p for p in paragraphs if re.search(r"\n\s*(?:[-*+]|\d+\.) ", p)] == ["Text:\n- a\n- b"]
+    assert "<li>c</li>" in html
+
+
+def test_the_invariants_index_lists_every_invariant_with_its_default() -> None:
+    index = (ROOT / "docs" / "invariants" / "index.md").read_text(encoding="utf-8")
+    for name in registry.BUILTIN:
+        invariant = registry.get(name)
+        label = "on" if invariant.enabled(invariant.default) else "off"
+        assert f"| [`{name}`]({name}.md) | {label} |" in index
+
+
+def test_the_report_header_quoted_in_the_docs_counts_every_invariant() -> None:
+    """The count a run prints (pytest_torchperf/ci.py), in the pages and the recorded figure that quote it."""
+    count = f": {len(registry.BUILTIN)} invariants"
+    for page in ("docs/guides/ci.md", "docs/getting-started.md", "docs/figures/data/failing-report.txt"):
+        text = (ROOT / page).read_text(encoding="utf-8")
+        quoted = re.findall(r"torchperf \d+\.\d+\.\d+\S*: \d+ invariants", text)
+        assert quoted and all(line.endswith(count) for line in quoted), (page, quoted)
 
 
 def test_new_pages_join_the_nav_without_editing_mkdocs_yml(tmp_path: Path) -> None:

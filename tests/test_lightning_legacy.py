@@ -1,8 +1,9 @@
 """The seed bug for real: pytorch-lightning 1.5.0 fails ``no_iterator_reset``, 1.5.1 passes.
 
-Runs ``examples/seed_bug`` in side environments built by ``scripts/legacy-envs.sh``
-(``TORCHPERF_LEGACY_ENVS``, default ``.torchperf-envs/``). Without them the tests
-skip, unless ``TORCHPERF_REQUIRE_LEGACY=1`` (set by CI), where they fail.
+Runs ``examples/seed_bug`` in the environments of the nox sessions ``pytorch-lightning-1.5.0`` and
+``-1.5.1`` (in ``TORCHPERF_LEGACY_ENVS``, default ``.nox/``, where nox names them
+``pytorch-lightning-1-5-0``...). Without them the tests skip, unless ``TORCHPERF_REQUIRE_LEGACY=1``
+(set by ``nox -s tests``), where they fail.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ENVS = Path(os.environ.get("TORCHPERF_LEGACY_ENVS", ROOT / ".torchperf-envs"))
+ENVS = Path(os.environ.get("TORCHPERF_LEGACY_ENVS", ROOT / ".nox"))
 EXAMPLE = ROOT / "examples" / "seed_bug" / "test_seed_bug.py"
 
 
 def _python(version: str) -> Path:
-    env = ENVS / f"pytorch-lightning-{version}"
+    env = ENVS / f"pytorch-lightning-{version.replace('.', '-')}"
     python = env / "bin" / "python"
-    # The script marks an environment built to the end; one without the mark is half-built.
+    # The session marks an environment built to the end; one without the mark is half-built.
     if not (python.exists() and (env / ".torchperf-complete").exists()):
-        message = f"no complete pytorch-lightning {version} environment at {env}; run scripts/legacy-envs.sh"
+        message = f"no complete pytorch-lightning {version} environment at {env}"
+        message += f"; run `nox -s pytorch-lightning-{version}`"
         if os.environ.get("TORCHPERF_REQUIRE_LEGACY") == "1":
             pytest.fail(message)
         pytest.skip(message)

@@ -1,6 +1,6 @@
 """The unified ``lightning`` package: ``import lightning as L``, its own Trainer and Callback classes.
 
-Runs where ``lightning`` is installed (the side environment of scripts/compat-envs.sh has
+Runs where ``lightning`` is installed (the nox session `compat-lightning` has
 ``lightning`` and not ``pytorch_lightning``, so nothing can fall back to the older package);
 elsewhere it skips, unless ``TORCHPERF_REQUIRE_LIGHTNING_PACKAGE=1`` (set by CI in that
 environment), where a missing package fails.

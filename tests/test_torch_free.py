@@ -1,7 +1,7 @@
 """What works without torch: the plugin loads, unmarked suites run, options and markers are checked.
 
 These run in every environment, and are the suite of the torch-free compatibility runs
-(the oldest and newest Python, the oldest pytest: see scripts/compat-envs.sh), where
+(the oldest and newest Python, the oldest pytest: the nox sessions `compat-torch-free-*`), where
 ``TORCHPERF_EXPECT_NO_TORCH=1`` asserts torch is really absent.
 """
 

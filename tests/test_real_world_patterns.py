@@ -1,5 +1,7 @@
-"""Right verdicts, round 3: host math followed, one policy for input batches, graphs kept outside the loss,
-DataParallel wrappers driven through another method, messages, and the plugin as a guest in a foreign suite.
+"""Verdicts on patterns from real projects: host math followed, one policy for input batches, graphs kept
+outside the loss, DataParallel wrappers driven through another method, messages, and the plugin as a guest
+in a foreign suite (docs: the pages of on_device, no_graph_retention, no_data_parallel, max_overhead,
+no_host_sync, and isolation).
 
 Every test runs real user code through ``pytester`` (a test file, a marker or the fixture), as a user would.
 """
