@@ -337,8 +337,9 @@ def _install(patcher: Patcher) -> None:
     name = "_engine_run_backward" if callable(getattr(torch.autograd, "_engine_run_backward", None)) else "backward"
 
     def wrap_backward() -> Any:
-        # The wrapper reads only the module's state when called: kept from watch to watch.
-        with patcher.reusing(("autosteps", is_compiling, current_node)):
+        # The wrapper reads only the module's state when called (``armed``, this module's own): kept from watch
+        # to watch, and built again for a module imported anew.
+        with patcher.reusing(("autosteps", armed, is_compiling, current_node)):
             return patcher.wrap(torch.autograd, name, wrap)
 
     # Put in by arm() while a run looks at backward passes, taken out once none does (_follow_backward).

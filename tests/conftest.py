@@ -37,6 +37,13 @@ if torch is None:
 from pytest_torchperf import registry  # noqa: E402
 
 registry.invariants()
+if torch is not None:
+    # ... and every module a watch imports as it starts and stops (the engine, its probes, the adapters):
+    # an inner run that imported one of them anew would hold a second engine beside the first.
+    from pytest_torchperf import watch  # noqa: E402
+
+    with watch(scope="test"):
+        pass
 
 #: The models' dataset, also on its own: a module with torch only is what a spawned DataLoader worker
 #: imports to unpickle it (the models' module imports Lightning, seconds of every worker's start-up).

@@ -297,9 +297,10 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _patch_trainer(patcher: Patcher, trainer_cls: Any, package: str) -> None:
-    # The wrappers read only the observer when called: kept from watch to watch (built again only when the
-    # Trainer's own function is no longer the one they wrap).
-    with patcher.reusing(("lightning", package)):
+    # The wrappers read only this module's state when called: kept from watch to watch, built again when the
+    # Trainer's own function is no longer the one they wrap, or when this module was imported anew (its state
+    # is then another object: a wrapper kept from before would read the old one).
+    with patcher.reusing(("lightning", package, OBSERVER)):
         if "__init__" in vars(trainer_cls):
             patcher.wrap(trainer_cls, "__init__", _wrap_init)
         for kind in _TRAINER_CALLS:
