@@ -568,7 +568,9 @@ class Run:
 
     def finish(self) -> Report:
         """Evaluate every check and store the :class:`Report` on ``run.report``."""
-        report = Report(steps=self.steps, on_inconclusive=getattr(self.options, "overhead_inconclusive", "fail"))
+        report = Report(
+            steps=self.steps, scope=self.scope, on_inconclusive=getattr(self.options, "overhead_inconclusive", "fail")
+        )
         for name, check in self.checks.items():
             report.checks[name] = self._result(name, check)
         report.internal_errors = dict(self.internal_errors)

@@ -202,6 +202,8 @@ class Report:
     on_inconclusive: str = "fail"
     #: How the steps were found when nothing marked them (``"found at optimizer.step()"``), else "".
     steps_found: str = ""
+    #: The run's scope: ``"test"`` watched the whole test as its one step, trained or not.
+    scope: str = "training_step"
 
     @property
     def failures(self) -> list[CheckResult]:

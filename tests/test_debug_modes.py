@@ -79,7 +79,7 @@ def test_the_trainer_flag_is_named(user_models: pytest.Pytester) -> None:
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(
         [
-            "*torchperf: 1 invariant broken: no_debug_modes (anomaly detection on in 4 steps)",
+            "*torchperf: 1 invariant broken: no_debug_modes (anomaly detection on in 4 steps)*",
             "anomaly detection was on in 4 of 4 training steps",
             "  turned on by the Trainer argument Trainer(detect_anomaly=True)",
         ],
@@ -178,3 +178,37 @@ def test_step_based_invariants_that_judged_zero_steps_are_not_checked() -> None:
         "no_debug_modes", "grads_set_to_none", "no_host_sync", "on_device", "max_ops_per_step", "no_graph_retention"
     )}
     assert set(statuses.values()) == {"not checked"}, statuses
+
+
+def test_scope_test_judges_the_whole_test_as_its_one_step(pytester: pytest.Pytester) -> None:
+    """Under scope="test" no step is marked: the switches are read as the test starts and ends."""
+    pytester.makepyfile(
+        """
+        import pytest
+        import torch
+
+        @pytest.fixture(autouse=True)
+        def anomaly_off_after_the_watch():
+            yield
+            torch.autograd.set_detect_anomaly(False)
+
+        @pytest.mark.torchperf(scope="test")
+        def test_anomaly():
+            torch.autograd.set_detect_anomaly(True)  # left on: the watch ends with it on
+            torch.nn.Linear(4, 1)(torch.randn(2, 4)).sum().backward()
+
+        @pytest.mark.torchperf(scope="test")
+        def test_clean():
+            torch.nn.Linear(4, 1)(torch.randn(2, 4)).sum().backward()
+        """
+    )
+    result = pytester.runpytest("-p", "no:randomly", "-v")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines([
+        "*no_debug_modes (anomaly detection on in the whole test)*",
+        "*anomaly detection was on in the whole test*",
+    ])
+    result.stdout.fnmatch_lines(
+        ["PASSED  *::test_clean", "*no_debug_modes: passed (no debug mode on in the whole test)*"]
+    )
+    result.stdout.no_fnmatch_line("*ran no training*")

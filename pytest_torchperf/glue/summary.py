@@ -58,8 +58,12 @@ def _statuses(test: dict[str, Any], status: str) -> list[str]:
 
 
 def trained(test: dict[str, Any]) -> bool:
-    """A run of the test saw a training step (or compared two loops with ``parity()``)."""
-    return any(run.get("steps") or run.get("source") == "parity" for run in test["runs"])
+    """A run of the test saw a training step, watched the whole test (``scope="test"``: the body is the step),
+    or compared two loops with ``parity()``."""
+    return any(
+        run.get("steps") or run.get("source") == "parity" or run.get("options", {}).get("scope") == "test"
+        for run in test["runs"]
+    )
 
 
 def nothing_to_watch(test: dict[str, Any]) -> bool:

@@ -102,7 +102,7 @@ def act(item: pytest.Item, reports: Sequence[Report], report_only: bool = False)
     under a suite-wide marker) has nothing to watch, and the summary counts it in one line. Called once the
     test's outcome is known, so a test that unittest recorded as skipped or failed is never here.
     """
-    missing = [pair for report in reports if report.steps for pair in unchecked(report)]
+    missing = [pair for report in reports if report.steps or _whole_test(report) for pair in unchecked(report)]
     mode = item.config.stash.get(_KEY, "warn")
     if not missing or mode == "pass":
         return None
@@ -115,6 +115,11 @@ def act(item: pytest.Item, reports: Sequence[Report], report_only: bool = False)
     except NotCheckedWarning as exc:  # -W error: the warning fails the test, as it would have in its body
         return f"NotCheckedWarning: {exc}"
     return None
+
+
+def _whole_test(report: Report) -> bool:
+    """The run watched the whole test (``scope="test"``): its body is the step, whether or not it trained."""
+    return report.scope == "test"
 
 
 def _grouped(missing: list[tuple[str, str]]) -> list[tuple[str, str]]:

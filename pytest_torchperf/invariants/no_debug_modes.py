@@ -29,7 +29,7 @@ Nsight attached from outside) are not seen.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, TypedDict
+from typing import TYPE_CHECKING, Callable, Optional, TypedDict
 
 from ..arguments import Argument, Flag
 from ..core import Check
@@ -89,6 +89,8 @@ class DebugModesCheck(Check):
         self._graphs = graph_probe.PROBE
         #: ``CUDA_LAUNCH_BLOCKING`` was set when the run started (read again when it ends).
         self._launch_blocking = debug_modes.launch_blocking()
+        if run.scope == "test":  # the whole test is the step: no step polls, the switches read at its ends
+            self._read_switches()
 
     def step_polls(self) -> tuple[tuple[Callable[[], object], Callable[[], None]], ...]:
         """Each switch is read as every step starts: torch's own C functions, no Python call of ours a step."""
@@ -112,8 +114,18 @@ class DebugModesCheck(Check):
             seen = self.modes[mode] = _Mode()
         seen.steps += 1
 
+    def _read_switches(self) -> None:
+        for read, on in self.step_polls():
+            if read():
+                on()
+
     def on_run_end(self) -> None:
         self.steps = self.run.steps
+        if self.run.scope == "test":
+            self._read_switches()
+            self.steps = 1
+            for seen in self.modes.values():  # on at the start, the end or both: on in the one step
+                seen.steps = 1
         if self.steps and (self._launch_blocking or debug_modes.launch_blocking()):
             # CUDA reads the variable once, when it starts: set before the run or during it, every step ran with it
             self.modes.setdefault("launch_blocking", _Mode()).steps = self.steps
@@ -139,12 +151,21 @@ class DebugModesCheck(Check):
     def _finding(self, mode: str, seen: _Mode, note: bool) -> Finding:
         where, sites = self._where(mode)
         prefix = "note: " if note else ""
-        title = f"{prefix}{_WHAT[mode]} was on in {seen.steps} of {plural(self.steps, 'training step')}"
+        title = f"{prefix}{_WHAT[mode]} was on {self._during(seen.steps)}"
         facts = [where] if not sites or "Trainer" in where else []
         facts.append(f"cost: {_COST[mode]}")
         if note:
             facts.append("a note, not a failure: allow_deterministic=False fails on it")
         return Finding(title, facts, sites, _HINT[mode])
+
+    def _during(self, on: Optional[int] = None, short: bool = False) -> str:
+        """``"in 3 of 8 training steps"``, ``"in 3 steps"`` (short), ``"in 8 training steps"``; under
+        ``scope="test"``: ``"in the whole test"``."""
+        if self.run.scope == "test":
+            return "in the whole test"
+        if on is None:
+            return f"in {plural(self.steps, 'training step')}"
+        return f"in {on} steps" if short else f"in {on} of {plural(self.steps, 'training step')}"
 
     def result(self) -> CheckResult:
         figures: Figures = {
@@ -158,14 +179,14 @@ class DebugModesCheck(Check):
         findings = [self._finding(m, self.modes[m], False) for m in failing]
         findings += [self._finding(m, self.modes[m], True) for m in noted]
         if failing:
-            summary = ", ".join(f"{_WHAT[m]} on in {self.modes[m].steps} steps" for m in failing)
+            summary = ", ".join(f"{_WHAT[m]} on {self._during(self.modes[m].steps, short=True)}" for m in failing)
             return CheckResult(NAME, FAILED, summary, len(failing), findings, figures)
         if not self.steps:
             return CheckResult(
                 NAME, NOT_CHECKED, "no training step was seen: no step to find a debug mode on in", 0, findings,
                 figures,
             )
-        summary = f"no debug mode on in {plural(self.steps, 'training step')}"
+        summary = f"no debug mode on {self._during()}"
         if noted:
             summary += "; deterministic algorithms on (noted)"
         return CheckResult(NAME, PASSED, summary, 0, findings, figures)
