@@ -52,7 +52,9 @@ def record_report() -> None:
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:logging", "-p", "no:warnings",
              "test_fit.py"], cwd=tmp, env=env, capture_output=True, text=True,
         )
-        REPORT_TEXT.write_text(done.stdout.replace(tmp, "/home/you/project"), encoding="utf-8")
+        # As on a user's machine: the project and its virtual environment, not where this one was recorded.
+        text = done.stdout.replace(tmp, "/home/you/project").replace(sys.prefix, "/home/you/project/.venv")
+        REPORT_TEXT.write_text(text, encoding="utf-8")
 
 
 def report_lines(text: str) -> list[tuple[str, str]]:
