@@ -95,7 +95,7 @@ def test_a_higher_rate_and_a_new_site_fail_naming_what_is_new(pytester: pytest.P
             "(2 per step, baseline 1 per step)",
             "*- torchperf: baseline -*",
             "higher: no_host_sync: `.item()` at test_suite.py:11 in train, 2 per step (baseline: 1 per step)",
-            "torchperf: 1 invariant broken: no_host_sync (8 syncs at test_suite.py:11: 2 per step over 4 steps)",
+            "torchperf: 1 invariant broken: no_host_sync (8 syncs at test_suite.py:11: 2 per step over 4 steps)*",
         ]
     )
     # A sync the clean test did not have: a new site, in a test with no entry.
@@ -371,7 +371,7 @@ def test_a_test_running_its_own_profiler_is_left_alone(pytester: pytest.Pytester
     result.stdout.fnmatch_lines(
         [
             "*_ test_profiles_inside _*",
-            "torchperf: 2 invariants broken: no_host_sync*; no_debug_modes (the autograd profiler on in 2 steps)",
+            "torchperf: 2 invariants broken: no_host_sync*; no_debug_modes (the autograd profiler on in 2 steps)*",
             "torchperf trace: not written: the test started a profiler of its own",
             "*_ test_profiled_by_a_fixture _*",
             "torchperf trace: not written: a profiler was already running",

@@ -86,7 +86,7 @@ def test_marked_steps_win(tmp_path: Path) -> None:
     module, _ = _loop(tmp_path)
     report = report_of(module.train, watch, batches(4), mark=True)  # type: ignore[attr-defined]
     assert report.steps == 4
-    assert report.steps_found == ""
+    assert report.steps_found == "marked with run.step()"  # the headline says how the steps were found
     assert report["no_host_sync"].status == "failed"
 
 

@@ -31,7 +31,7 @@ def test_empty_cache_in_training_step_fails_with_count_site_and_hint(user_models
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*torchperf: 1 invariant broken: no_empty_cache (8 torch.cuda.empty_cache() calls by your code)",
+            "*torchperf: 1 invariant broken: no_empty_cache (8 torch.cuda.empty_cache() calls by your code)*",
             "*torchperf: no_empty_cache*",
             "torch.cuda.empty_cache() called 8 times by your code during the run: 1 per step over 8 steps",
             "  8 of these calls inside a training step (8 steps ran)",

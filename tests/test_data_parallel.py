@@ -35,7 +35,7 @@ def test_data_parallel_submodule_fails_a_lightning_fit(user_models: pytest.Pytes
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*torchperf: 1 invariant broken: no_data_parallel (1 DataParallel module, 4 forward passes)",
+            "*torchperf: 1 invariant broken: no_data_parallel (1 DataParallel module, 4 forward passes)*",
             "*torchperf: no_data_parallel*",
             "torch.nn.DataParallel(Linear) ran 4 forward passes",
             "  found as submodule 'layer' of Wrapped (Trainer.fit)",

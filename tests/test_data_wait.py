@@ -106,7 +106,7 @@ def test_a_sleepy_getitem_without_workers_and_a_1ms_step_fails_naming_getitem(us
     result.stdout.fnmatch_lines(
         [
             "*torchperf: 1 invariant broken: max_data_wait (1 training DataLoader kept the loop waiting: *% > 20% "
-            "against this run's step (* ms per batch, * batches/s))",
+            "against this run's step (* ms per batch, * batches/s))*",
             "*torchperf: max_data_wait*",
             "DataLoader(dataset=SleepyDataset, batch_size=4, num_workers=0) (built at test_loop.py:7) kept the "
             "training loop waiting *% of its time (max_data_wait=0.2): * ms per batch",

@@ -309,7 +309,7 @@ def test_hugging_face_trainer(pytester: pytest.Pytester) -> None:
     tests = _results(pytester.path / "out.json")
     clean = tests["test_clean_trainer"]
     assert clean["outcome"] == "passed"
-    assert clean["run"]["steps"] == 12 and clean["run"]["steps_found"] == ""  # Trainer.training_step is the step
+    assert clean["run"]["steps"] == 12 and clean["run"]["steps_found"] == "marked by transformers' Trainer.train"
     sync = clean["checks"]["no_host_sync"]
     assert "in transformers (noted)" in sync["summary"]
     nan_inf = [f for f in sync["findings"] if "logging_nan_inf_filter=False" in f["hint"]]

@@ -683,7 +683,7 @@ def test_the_marker_fails_a_leaking_fit_and_reports_figures(user_models: pytest.
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(
         [
-            "*torchperf: 1 invariant broken: no_graph_retention (graphs of 11 steps kept by KeepsLosses.losses)",
+            "*torchperf: 1 invariant broken: no_graph_retention (graphs of 11 steps kept by KeepsLosses.losses)*",
             "*torchperf: no_graph_retention*",
             "KeepsLosses.losses: list of 11 tensors with autograd graphs, one per step (steps 1-11)",
             "  growth per step: 1 tensor, * graph nodes, no saved activations (backward already freed them)",

@@ -93,7 +93,7 @@ def test_a_sync_in_training_step_fails_at_the_users_line(lightning_models: pytes
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "torchperf: 1 invariant broken: no_host_sync (12 syncs at test_fit.py:7: 1 per step over 12 steps)",
+            "torchperf: 1 invariant broken: no_host_sync (12 syncs at test_fit.py:7: 1 per step over 12 steps)*",
             "*`.item()` (12x) at test_fit.py:7 in training_step [[]your code[]]",
             "*lightning/pytorch/*",  # the stack runs through the unified package's Trainer
         ]

@@ -57,7 +57,7 @@ def test_float32_lightning_fit_fails_with_the_trainer_hint(user_models: pytest.P
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*torchperf: 1 invariant broken: mixed_precision (8 float32 optimizer steps on cpu)",
+            "*torchperf: 1 invariant broken: mixed_precision (8 float32 optimizer steps on cpu)*",
             "*torchperf: mixed_precision*",
             "8 of 8 optimizer steps on cpu ran in float32 without autocast",
             "  weights: float32 on cpu; no autocast region was entered",

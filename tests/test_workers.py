@@ -42,7 +42,7 @@ def test_min_workers_fails_a_lightning_fit_naming_the_loader_and_its_line(user_m
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*torchperf: 1 invariant broken: min_workers (1 training DataLoader below min_workers=2 (fewest: 0))",
+            "*torchperf: 1 invariant broken: min_workers (1 training DataLoader below min_workers=2 (fewest: 0))*",
             "*torchperf: min_workers*",
             "DataLoader(dataset=RandomDataset, batch_size=8, num_workers=0) feeds training with 0 workers, "
             "fewer than min_workers=2",
