@@ -80,7 +80,7 @@ def test_pytorch_lightning_1_5_0_fails_with_the_stack_that_dropped_the_iterator(
 
 def test_pytorch_lightning_1_5_1_passes(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
-    result = _run("1.5.1", f"--torchperf-json={report}")
+    result = _run("1.5.1", f"--torchperf-json={report}", "-v")  # -v: a clean test's verdicts
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "no_iterator_reset: passed (2 loaders with workers, 2 worker pools started)" in out
