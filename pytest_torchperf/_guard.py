@@ -50,7 +50,7 @@ class _Raised:
     __slots__ = ("exc",)
 
     def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
+        self.exc: Optional[BaseException] = exc  # None once the guard has raised it (see _finish)
 
 
 class _Calls(threading.local):
@@ -124,6 +124,7 @@ def contain(make: Callable[[Any], Any], original: Any, failed: Callable[[BaseExc
                 __tracebackhide__ = True
                 record = calls.record
                 if type(record) is _Raised and record.exc is exc:  # the original's: the user's error
+                    record = None  # see _finish: no cycle through this frame
                     raise
                 failed(exc)
             finally:
@@ -142,6 +143,7 @@ def contain(make: Callable[[Any], Any], original: Any, failed: Callable[[BaseExc
                 __tracebackhide__ = True
                 record = calls.record
                 if type(record) is _Raised and record.exc is exc:  # the original's: the user's error
+                    record = None  # see _finish: no cycle through this frame
                     raise
                 failed(exc)
             finally:
@@ -160,6 +162,7 @@ def contain(make: Callable[[Any], Any], original: Any, failed: Callable[[BaseExc
                 __tracebackhide__ = True
                 record = calls.record
                 if type(record) is _Raised and record.exc is exc:  # the original's: the user's error
+                    record = None  # see _finish: no cycle through this frame
                     raise
                 failed(exc)
             finally:
@@ -186,7 +189,15 @@ def _finish(record: Any, original: Any, args: tuple[Any, ...], kwargs: dict[str,
     if record is NOT_RUN:
         return original(*args, **kwargs)
     if type(record) is _Raised:
-        raise record.exc  # outside any ``except``: the error keeps the context it had, not the probe's error
+        # Outside any ``except``: the error keeps the context it had, not the probe's error. No frame of ours
+        # may keep it in a local as it goes: its traceback holds these frames, and a frame holding it back
+        # makes a cycle that keeps the call's arguments (a DataLoader iterator at its StopIteration) alive
+        # until the garbage collector runs, instead of freeing them when the user's code lets go.
+        exc, record.exc = record.exc, None
+        try:
+            raise exc  # type: ignore[misc]  # never None: a record is raised once
+        finally:
+            exc = None
     return record
 
 

@@ -405,3 +405,40 @@ def test_a_run_is_a_guest_its_probes_are_gone_after_it() -> None:
     with watch(**{name: True for name in ("grads_set_to_none", "no_recompiles", "no_empty_cache")}) as run:
         assert isinstance(run, Run) and set(installed_probes()) >= {"tensors", "syncs", "grads", "recompiles"}
     assert installed_probes() == () and active_runs() == [] and not FLAGS.active and not FLAGS.in_scope
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-epoch"])
+def test_a_watched_loops_loader_and_workers_are_freed_when_the_user_lets_go(persistent: bool) -> None:
+    """Objects the user drops are freed at once, as unwatched: no frame or table of the plugin keeps them.
+
+    Each epoch's StopIteration passes through the probes' wrappers; a frame of theirs holding the exception
+    made a cycle that kept the iterator (and its worker processes) alive until the garbage collector ran,
+    and a loader freed that way waits out the workers' 5 s join (its queues closed first).
+    """
+    import gc
+    import weakref
+
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    refs: list[weakref.ref[Any]] = []
+
+    def loop() -> None:
+        loader = DataLoader(data, batch_size=4, num_workers=1, persistent_workers=persistent)
+        for _ in range(2):
+            for _batch in loader:
+                pass
+        refs.append(weakref.ref(loader))
+        if loader._iterator is not None:
+            refs.append(weakref.ref(loader._iterator))
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # freed by reference counting alone, as the same loop unwatched is
+    try:
+        try:
+            with watch():
+                loop()
+        except InvariantViolation:  # the per-epoch pools: no_iterator_reset fails, as it should
+            assert not persistent
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        if was_enabled:
+            gc.enable()

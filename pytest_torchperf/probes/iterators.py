@@ -41,7 +41,11 @@ class IteratorsProbe(Probe):
 
     def __init__(self) -> None:
         super().__init__()
-        self.loader_of_pool: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        #: A pool (iterator) -> a weak reference to its DataLoader. Weak both ways: the loader holds its
+        #: persistent iterator, so a strong value would keep the pair alive here until the probe resets, and
+        #: the garbage collector would then free them in one cycle, closing the workers' queues before the
+        #: iterator's ``__del__`` can tell the workers to stop (each worker then waits out its 5 s join).
+        self.loader_of_pool: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
     def reset(self) -> None:
         super().reset()
@@ -75,7 +79,7 @@ class IteratorsProbe(Probe):
                 original(self, loader, *args, **kwargs)
                 try:
                     if core.handlers("on_worker_pool"):
-                        probe.loader_of_pool[self] = loader
+                        probe.loader_of_pool[self] = weakref.ref(loader)
                         probe._send(POOL, loader)
                 except Exception as exc:  # noqa: BLE001 - never into the user's code
                     probe.failed(exc)
@@ -113,7 +117,8 @@ class IteratorsProbe(Probe):
             def _shutdown_workers(self: Any) -> None:
                 try:
                     if getattr(self, "_persistent_workers", False) and not getattr(self, "_shutdown", True):
-                        loader = probe.loader_of_pool.get(self)
+                        ref = probe.loader_of_pool.get(self)
+                        loader = ref() if ref is not None else None
                         if loader is not None:
                             probe._send(SHUTDOWN, loader)
                 except Exception as exc:  # noqa: BLE001
