@@ -111,6 +111,7 @@ class Engine:
             for probe in missing:
                 undo.callback(self._uninstall, probe.name, run)
                 self._install_probe(probe, run)
+            run.engine = self
             run.probes = {p.name: self.probes.get(p.name, p) for p in needed}
             run.checks = registry.make_checks(run)  # after the probes: a check may ask its probe for something
             # After the probes: the automatic steps' backward wrapper is the outermost, so a pass opens its step first.
