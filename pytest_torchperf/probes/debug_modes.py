@@ -94,6 +94,3 @@ def readers() -> tuple[Callable[[], bool], Callable[[], bool], Callable[[], bool
 def launch_blocking() -> bool:
     """Whether ``CUDA_LAUNCH_BLOCKING`` is set (CUDA reads it when it starts)."""
     return os.environ.get("CUDA_LAUNCH_BLOCKING", "0").strip() not in ("", "0")
-
-
-PROBE = DebugModesProbe()

@@ -334,6 +334,3 @@ class LoadersProbe(Probe):
                         log.on_batch(loader, batch, done=done)
         except Exception as exc:  # noqa: BLE001
             self.failed(exc)
-
-
-PROBE = LoadersProbe()

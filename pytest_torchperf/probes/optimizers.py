@@ -101,6 +101,3 @@ class OptimizersProbe(Probe):
 
     def stepped(self, optimizer: Any) -> None:
         core.notify("on_optimizer_step", optimizer)
-
-
-PROBE = OptimizersProbe()
