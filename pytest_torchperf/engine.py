@@ -1,8 +1,10 @@
 """The engine: the one owner of what torchperf holds while runs watch.
 
 An :class:`Engine` owns the runs that are watching (the list the probes'
-hot paths read as :func:`pytest_torchperf.core.active_runs`), the probes
-installed for them, each with its own :class:`~pytest_torchperf.patching.Patcher`,
+hot paths read as :func:`pytest_torchperf.core.active_runs`), its probe
+instances (one of each probe class, made when first asked for: :meth:`Engine.probe`;
+no module holds one), the probes installed for them, each with its own
+:class:`~pytest_torchperf.patching.Patcher`,
 the base patcher (the Lightning observer, torch's caches, the warnings hook,
 the extensions' patches), the patchers of probes taken out mid-run, and the
 extensions told about every run (multi-process support is one, loaded by
