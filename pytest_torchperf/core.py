@@ -351,6 +351,9 @@ class Run:
         self.probes_of: dict[str, tuple[str, ...]] = {}
         #: Probe name -> the instance the engine installed for this run (set when it starts; :meth:`probe`).
         self.probes: dict[str, Any] = {}
+        #: The engine that started the run (:class:`pytest_torchperf.engine.Engine`): ``run.engine.probe(name)``
+        #: is its instance of any probe, installed for this run or not. None until the run starts.
+        self.engine: Any = None
         self._scope: str = getattr(options, "scope", "training_step")
         self._step_depth = 0
         self._batch_depth = 0

@@ -1,8 +1,10 @@
 """The engine: the one owner of what torchperf holds while runs watch.
 
 An :class:`Engine` owns the runs that are watching (the list the probes'
-hot paths read as :func:`pytest_torchperf.core.active_runs`), the probes
-installed for them, each with its own :class:`~pytest_torchperf.patching.Patcher`,
+hot paths read as :func:`pytest_torchperf.core.active_runs`), its probe
+instances (one of each probe class, made when first asked for: :meth:`Engine.probe`;
+no module holds one), the probes installed for them, each with its own
+:class:`~pytest_torchperf.patching.Patcher`,
 the base patcher (the Lightning observer, torch's caches, the warnings hook,
 the extensions' patches), the patchers of probes taken out mid-run, and the
 extensions told about every run (multi-process support is one, loaded by
@@ -66,6 +68,9 @@ class Engine:
         self.installed: dict[str, Patcher] = {}
         #: The probe instances this engine installed, by name (what ``run.probe(name)`` returns).
         self.probes: dict[str, Any] = {}
+        #: Every probe instance this engine made (:meth:`probe`), installed or not: one per probe class, kept for
+        #: the engine's lifetime (a probe keeps its wrappers across watches, scoped by its instance).
+        self.made: dict[str, Any] = {}
         #: Probe name -> the names of the probes it needs (for taking out a failed probe's dependents).
         self.needs: dict[str, tuple[str, ...]] = {}
         #: The patcher of the Lightning observer, torch's caches and the extensions (while some run watches).
@@ -102,7 +107,7 @@ class Engine:
                 undo.callback(self._undo_base, run)
                 self._install_base()
             # Resolve every probe before anything is patched for them: an unknown name is a UsageError here.
-            needed = registry.probes_for(run.options.enabled_checks)
+            needed = [self.probe(p.name) for p in registry.probes_for(run.options.enabled_checks)]
             missing = [p for p in needed if p.name not in self.installed]
             run.enlist()  # a probe failing while it is installed is recorded on this run
             undo.callback(self._leave, run)
@@ -111,7 +116,8 @@ class Engine:
             for probe in missing:
                 undo.callback(self._uninstall, probe.name, run)
                 self._install_probe(probe, run)
-            run.probes = {p.name: self.probes.get(p.name, p) for p in needed}
+            run.engine = self
+            run.probes = {p.name: p for p in needed}  # this engine's instances, installed or failed
             run.checks = registry.make_checks(run)  # after the probes: a check may ask its probe for something
             # After the probes: the automatic steps' backward wrapper is the outermost, so a pass opens its step first.
             if self.autosteps is None:
@@ -250,8 +256,7 @@ class Engine:
         exactly as a spawned rank's runs do. Never raises: a probe that cannot re-arm is taken out.
         """
         for name in list(self.installed):
-            probe = registry.probe(name)
-            hook = getattr(probe, "forked", None)
+            hook = getattr(self.probes.get(name), "forked", None)
             if hook is None:
                 continue
             try:
@@ -260,9 +265,20 @@ class Engine:
                 core.probe_failed(name, exc)
 
     def probe(self, name: str) -> Any:
-        """The probe instance named ``name`` this engine installed (else the registry's, not installed)."""
-        found = self.probes.get(name)
-        return found if found is not None else registry.probe(name)
+        """This engine's instance of the probe named ``name``, made on first request (installed or not).
+
+        Made once per engine from the registry's class (built-in, or a plug-in's); the instances of the probes
+        it needs are this engine's too, given to it as :attr:`~pytest_torchperf.probes.Probe.needed`. A
+        plug-in that registered an instance (the older API) gets that instance back, shared by every engine.
+        """
+        spec = registry.probe_class(name)
+        found = self.made.get(name)
+        if found is None or (found is not spec and type(found) is not spec):  # first asked, or registered anew
+            # A plug-in's own instance (the older API) is used as it is: shared, not this engine's to make.
+            found = self.made[name] = spec() if isinstance(spec, type) else spec
+            if spec.needs:
+                found.needed = {needed: self.probe(needed) for needed in spec.needs}
+        return found
 
     def installed_probes(self) -> tuple[str, ...]:
         """The probes installed now, in install order."""

@@ -84,7 +84,9 @@ class Invariant:
       invariant is on when ``True``; any other kind is on when not ``None``.
     - ``arguments``: settings that tune it (``allowed_syncs``...), each validated likewise.
     - ``probes``: the probes its check listens to, by built-in name (``"syncs"``) or as
-      :class:`~pytest_torchperf.probes.Probe` objects; installed while a run checks it.
+      :class:`~pytest_torchperf.probes.Probe` subclasses (the engine makes and owns their instances; its
+      check gets them with ``run.probe(name)``); installed while a run checks it. A plug-in's
+      ``Probe`` instance is still accepted (the older API): every engine then shares that one object.
     """
 
     name: str
@@ -377,10 +379,41 @@ def probe_names(invariant: Invariant) -> tuple[str, ...]:
 
 
 def _probe(ref: Union[str, Any]) -> Any:
+    """The registered probe ``ref`` names or is: a probe class, or (the older API) a plug-in's own instance."""
     if isinstance(ref, str):
-        return _probes.get(ref) or importlib.import_module(f"pytest_torchperf.probes.{ref}").PROBE
-    _probes.setdefault(ref.name, ref)
+        found = _probes.get(ref)
+        if found is None:
+            found = _probes[ref] = _builtin_class(ref)
+        return found
+    registered = _probes.get(ref.name)
+    if registered is None or _same_probe(registered, ref):
+        # A plug-in's class defined again (its module imported anew) or its instance given again (a new one):
+        # the newest is the one its check reads.
+        _probes[ref.name] = ref
     return ref
+
+
+def _same_probe(registered: Any, ref: Any) -> bool:
+    """Whether ``ref`` is ``registered`` again: the same class (or one defined by the same code, its module
+    imported anew), or another instance of the same class."""
+    if isinstance(ref, type) != isinstance(registered, type):
+        return False
+    if not isinstance(ref, type):
+        registered, ref = type(registered), type(ref)
+    return registered is ref or (registered.__module__, registered.__qualname__) == (ref.__module__, ref.__qualname__)
+
+
+def _builtin_class(name: str) -> type:
+    """The class of built-in probe ``name``: the one :class:`~.probes.Probe` subclass its module defines so named."""
+    module = importlib.import_module(f"pytest_torchperf.probes.{name}")
+    found = [
+        value for value in vars(module).values()
+        if isinstance(value, type) and value.__module__ == module.__name__ and getattr(value, "name", None) == name
+        and callable(getattr(value, "install", None))
+    ]
+    if len(found) != 1:
+        raise LookupError(f"pytest_torchperf.probes.{name} defines {len(found)} probe classes named {name!r}")
+    return found[0]
 
 
 def _builtin_probe_names() -> list[str]:
@@ -400,19 +433,29 @@ def _resolve_probe(ref: Union[str, Any], where: str) -> Any:
                 f"probes: {', '.join(known)}"
             )
     elif not (isinstance(getattr(ref, "name", None), str) and ref.name and callable(getattr(ref, "install", None))):
-        raise UsageError(f"pytest-torchperf: {where} names {ref!r} as a probe: give a probe name or a Probe")
+        raise UsageError(f"pytest-torchperf: {where} names {ref!r} as a probe: give a Probe subclass or a name")
+    else:
+        taken = _probes.get(ref.name)
+        if taken is None and ref.name in _builtin_probe_names():
+            taken = _probe(ref.name)
+        if taken is not None and not _same_probe(taken, ref):
+            raise UsageError(f"pytest-torchperf: {where} names probe {ref!r}, but the probe name {ref.name!r} is "
+                             f"already {taken!r}'s")
     probe = _probe(ref)
     for needed in getattr(probe, "needs", ()):
         _resolve_probe(needed, f"{where} (probe {probe.name!r})")
     return probe
 
 
-#: Probes by name: the built-in ones as they are first needed, third-party ones as invariants name them.
+#: Probe name -> its class: the built-in ones as they are first needed (found by module), third-party ones as
+#: the invariants that name them are registered. (A plug-in that gives an instance, the older API, has that
+#: instance here: every engine then uses it.) Never an instance of a built-in probe: engines make those.
 _probes: dict[str, Any] = {}
 
 
-def probe(name: str) -> Any:
-    """The probe named ``name`` (built-in, or one a registered invariant brought)."""
+def probe_class(name: str) -> Any:
+    """The class of the probe named ``name`` (built-in, or one a registered invariant brought); for a plug-in
+    that gave an instance (the older API), that instance."""
     return _probe(name)
 
 

@@ -308,3 +308,98 @@ def test_a_fresh_engine_watches_a_loop_with_the_probe_instances_it_installed_and
     assert torch.Tensor.item is original_item
     with pytest.raises(KeyError, match="'graphs' was not installed"):
         run.probe("graphs")
+
+
+def _started(engine: object, **kwargs: object) -> object:
+    """A run of ``kwargs`` started on ``engine`` (not the process's: a test's own)."""
+    from pytest_torchperf.core import Run
+    from pytest_torchperf.options import parse_options
+
+    run = Run(parse_options(kwargs))
+    engine.start(run)  # type: ignore[attr-defined]
+    return run
+
+
+def _host_reads(engine, run, reads: int) -> None:  # type: ignore[no-untyped-def]
+    try:
+        with run.step():
+            for _ in range(reads):
+                torch.ones(2).sum().item()  # a host tensor's read: counted by the syncs probe, no sync
+    finally:
+        engine.stop(run)
+    engine.finish(run)
+
+
+def test_two_engines_hold_distinct_probe_instances_and_the_state_of_one_stays_its_own() -> None:
+    from pytest_torchperf.engine import Engine
+    from pytest_torchperf.probes.syncs import SyncsProbe
+
+    first, second = Engine(), Engine()
+    names = ("syncs", "tensors", "loaders", "graphs", "ops")
+    assert all(first.probe(name) is first.probe(name) for name in names)  # made once per engine
+    assert all(first.probe(name) is not second.probe(name) for name in names)
+    assert all(type(first.probe(name)) is type(second.probe(name)) for name in names)
+    assert type(first.probe("syncs")) is SyncsProbe and first.installed_probes() == ()  # made, not installed
+    mine, theirs = first.probe("syncs"), second.probe("syncs")
+    run = _started(first, no_host_sync=True)
+    try:
+        assert run.probe("syncs") is mine and run.engine is first  # type: ignore[attr-defined]
+        assert "syncs" in first.installed_probes() and second.installed_probes() == () and second.probes == {}
+        with run.step():  # type: ignore[attr-defined]
+            kept = [torch.zeros(2) for _ in range(3)]  # built in the step: the tensors probe records their birth
+            for t in kept:
+                t.sum().item()
+            born = len(first.probe("tensors").births)
+        assert (mine.host_reads, theirs.host_reads) == (3, 0)
+        assert born > 0 and len(second.probe("tensors").births) == 0
+    finally:
+        first.stop(run)  # type: ignore[arg-type]
+    first.finish(run)  # type: ignore[arg-type]
+    assert run.report.checks["no_host_sync"].figures["host_tensor_reads"] == 3  # type: ignore[attr-defined]
+    assert first.probe("syncs") is mine  # kept for the engine's next watch
+    other = _started(second, no_host_sync=True)
+    assert other.probe("syncs") is theirs and first.installed_probes() == ()  # type: ignore[attr-defined]
+    _host_reads(second, other, 2)
+    assert other.report.checks["no_host_sync"].figures["host_tensor_reads"] == 2  # type: ignore[attr-defined]
+    assert mine.host_reads == 0 and torch.Tensor.item is ITEM  # the first engine's probe saw none of them
+
+
+def test_a_probe_is_given_the_instances_of_the_probes_it_needs_by_its_own_engine() -> None:
+    from pytest_torchperf.engine import Engine
+
+    first, second = Engine(), Engine()
+    syncs = first.probe("syncs")
+    assert dict(syncs.needed) == {"tensors": first.probe("tensors")} and syncs.tensors is first.probe("tensors")
+    assert second.probe("syncs").tensors is second.probe("tensors") is not first.probe("tensors")
+    assert first.probe("graph_breaks").needed["recompiles"] is first.probe("recompiles")
+    run = _started(second, no_host_sync=True, on_device=False)
+    try:
+        assert second.probes["syncs"].tensors is second.probes["tensors"] is run.probe("tensors")  # type: ignore[attr-defined]
+        assert list(second.installed_probes()).index("tensors") < list(second.installed_probes()).index("syncs")
+    finally:
+        second.stop(run)  # type: ignore[arg-type]
+
+
+def test_no_module_of_the_package_holds_a_probe_instance() -> None:
+    """No ``PROBE = XProbe()`` (nor any ``... = SomethingProbe()``) at a module's top level: engines make probes."""
+    import ast
+    from pathlib import Path
+
+    import pytest_torchperf
+
+    root = Path(pytest_torchperf.__file__).resolve().parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AnnAssign):
+                targets = [node.target]
+            else:
+                continue
+            names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            value = node.value
+            made = isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", ""))
+            if "PROBE" in names or (isinstance(made, str) and made.endswith("Probe")):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert len(list(root.rglob("probes/*.py"))) > 20 and found == []

@@ -152,3 +152,142 @@ def test_the_extension_api_never_imports_torch() -> None:
     code = "import sys, pytest_torchperf.extend; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+PROBE_PLUGIN = """
+    import torch.nn.functional as F
+
+    from pytest_torchperf.extend import Check, CheckResult, Invariant, Probe, Status, notify, register, unregister
+
+
+    class ReluCalls(Probe):
+        '''Counts F.relu calls; sends on_relu inside steps. A class: each engine makes its own.'''
+
+        name = "relu_calls"
+        needs = ("tensors",)
+        events = {"on_relu": "(): torch.nn.functional.relu was called"}
+
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def reset(self):
+            super().reset()
+            self.calls = 0
+
+        def install(self, patcher):
+            self.reset()
+            probe = self
+
+            def make(original):
+                def relu(*args, **kwargs):
+                    probe.calls += 1
+                    notify("on_relu", in_scope=True)
+                    return original(*args, **kwargs)
+                return relu
+
+            patcher.wrap(F, "relu", make)
+
+
+    class NoRelu(Check):
+        def __init__(self, run):
+            super().__init__(run)
+            self.probe = run.probe("relu_calls")
+            self.own_tensors = self.probe.needed["tensors"] is run.probe("tensors") is run.engine.probe("tensors")
+            self.in_steps = self.seen = 0
+
+        def on_relu(self):
+            self.in_steps += 1
+
+        def on_run_end(self):
+            self.seen = self.probe.calls
+
+        def result(self):
+            status = Status.FAILED if self.in_steps else Status.PASSED
+            summary = f"{self.in_steps} relu calls in steps, {self.seen} in all, own tensors {self.own_tensors}"
+            return CheckResult(self.name, status, summary, self.in_steps, [], {"relu": self.in_steps})
+
+
+    class SiluCalls(Probe):
+        '''The older API: the plug-in makes the instance and reads it.'''
+
+        name = "silu_calls"
+
+        def install(self, patcher):
+            self.calls = 0
+            probe = self
+
+            def make(original):
+                def silu(*args, **kwargs):
+                    probe.calls += 1
+                    return original(*args, **kwargs)
+                return silu
+
+            patcher.wrap(F, "silu", make)
+
+
+    SILU = SiluCalls()
+
+
+    class SiluSeen(Check):
+        def on_run_end(self):
+            self.seen = SILU.calls
+
+        def result(self):
+            return CheckResult(self.name, Status.PASSED, f"silu seen {self.seen}", 0, [], {})
+
+
+    register(Invariant(name="no_relu", doc="no F.relu in a step", check=NoRelu, probes=(ReluCalls,)))
+    register(Invariant(name="silu_seen", doc="counts F.silu", check=SiluSeen, probes=(SILU,)))
+
+
+    def pytest_unconfigure(config):
+        unregister("no_relu")
+        unregister("silu_seen")
+"""
+
+PROBE_TESTS = """
+    import torch
+    import torch.nn.functional as F
+
+
+    def test_relu_in_a_step(torchperf):
+        with torchperf.watch(no_relu=True, silu_seen=True) as run:
+            F.relu(torch.ones(2))  # outside the step: counted by the probe, no event
+            with run.step():
+                F.relu(torch.ones(2))
+
+
+    def test_no_relu_in_a_step(torchperf):
+        with torchperf.watch(no_relu=True, silu_seen=True) as run:
+            with run.step():
+                F.silu(F.silu(torch.ones(2)))
+        assert run.report["no_relu"].summary == "0 relu calls in steps, 0 in all, own tensors True"
+        assert run.report["silu_seen"].summary == "silu seen 2"
+        assert F.relu.__module__ == "torch.nn.functional" and "relu_calls" not in run.engine.installed_probes()
+"""
+
+
+def test_a_third_party_probe_class_and_an_instance_work_end_to_end(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(PROBE_PLUGIN)
+    pytester.makepyfile(test_probe_plugin=PROBE_TESTS)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*no_relu*1 relu calls in steps, 2 in all, own tensors True*"])
+    assert "no_relu" not in registry.invariants()
+
+
+def test_a_plugin_probe_cannot_take_the_name_of_another_probe() -> None:
+    class Impostor(extend.Probe):
+        name = "syncs"
+
+        def install(self, patcher: extend.Patcher) -> None:  # pragma: no cover - never installed
+            pass
+
+    class Quiet(Check):
+        def result(self) -> CheckResult:  # pragma: no cover - never built
+            return CheckResult(self.name, Status.PASSED, "", 0, [], {})
+
+    with pytest.raises(UsageError, match=r"the probe name 'syncs' is already <class '.*SyncsProbe'>'s"):
+        register(Invariant(name="impostor", doc="d", check=Quiet, probes=(Impostor,)))
+    assert "impostor" not in registry.invariants() and registry.probe_class("syncs").__name__ == "SyncsProbe"

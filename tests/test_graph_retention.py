@@ -21,8 +21,8 @@ from seed_tips_models import QUIET, trainer
 from step_check_helpers import write_module
 
 from pytest_torchperf import InvariantViolation, UsageError, watch
+from pytest_torchperf.engine import ENGINE
 from pytest_torchperf.extend import Check, Invariant, register, unregister
-from pytest_torchperf.probes.graphs import PROBE as GRAPHS
 from pytest_torchperf.report import FAILED, NOT_CHECKED, PASSED, CheckResult
 
 NAME = "no_graph_retention"
@@ -362,7 +362,8 @@ def test_the_watch_leaves_torch_as_it_found_it(loops: tuple[Any, dict[str, int]]
     check_of(module.losses_appended, STEPS)  # its creation trace switches anomaly mode on for one step
     assert torch.autograd._engine_run_backward is backward
     assert not torch.is_anomaly_enabled()
-    assert not GRAPHS.tracing and GRAPHS._hook is None
+    graphs = ENGINE.probe("graphs")
+    assert not graphs.tracing and graphs._hook is None
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
     assert not _global_optimizer_post_hooks
@@ -771,7 +772,7 @@ def test_a_sampled_pass_preempted_for_a_while_does_not_stop_the_sampling() -> No
             while time.perf_counter() < deadline:  # 0.3 s of steps: a walk of a few microseconds is due often
                 with run.step():
                     model(torch.randn(2, 4)).pow(2).mean().backward()
-            samples = GRAPHS.samples
+            samples = run.probe("graphs").samples
     finally:
         unregister("preempted_walks")
     assert _Preempted.waited and samples >= 3
@@ -791,7 +792,7 @@ def test_a_collection_in_a_sampled_pass_does_not_stop_the_sampling() -> None:
             while time.perf_counter() < deadline:
                 with run.step():
                     model(torch.randn(2, 4)).pow(2).mean().backward()
-            samples, collected = GRAPHS.samples, GRAPHS.gc_cpu
+            samples, collected = run.probe("graphs").samples, run.probe("graphs").gc_cpu
     finally:
         _Preempted.collect = False
         unregister("preempted_walks")
@@ -814,17 +815,17 @@ def test_a_module_output_callback_preempted_for_a_while_does_not_stop_the_sampli
     try:
         model = torch.nn.Linear(4, 1)
         with watch(preempted_walks=True, **QUIET) as run:
-            GRAPHS.arm_forward(preempted)  # for the first step, as a check arms it for a sampled step
+            run.probe("graphs").arm_forward(preempted)  # for the first step, as a check arms it for a sampled step
             try:
                 with run.step():
                     model(torch.randn(2, 4)).pow(2).mean().backward()
             finally:
-                GRAPHS.disarm_forward(preempted)
+                run.probe("graphs").disarm_forward(preempted)
             deadline = time.perf_counter() + 0.3
             while time.perf_counter() < deadline:
                 with run.step():
                     model(torch.randn(2, 4)).pow(2).mean().backward()
-            samples = GRAPHS.samples
+            samples = run.probe("graphs").samples
     finally:
         unregister("preempted_walks")
     assert waited and samples >= 3

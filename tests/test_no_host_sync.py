@@ -854,8 +854,8 @@ def test_torch_is_pristine_after_passed_failed_and_crashed_runs(user_models: pyt
             assert torch.Tensor.item is ITEM
             assert "item" not in vars(torch.Tensor) and "__bool__" not in vars(torch.Tensor)
             assert not FLAGS.active and not FLAGS.in_scope
-            from pytest_torchperf.probes.tensors import PROBE
-            assert PROBE.births == {}
+            from pytest_torchperf.engine import ENGINE
+            assert ENGINE.probe("tensors").births == {}
         """
     )
     result = user_models.runpytest("-p", "no:randomly")

@@ -243,13 +243,14 @@ def test_everything_patched_is_pristine_after_passed_failed_and_crashed_tests(us
             torch._dynamo.reset()
             assert snapshot() == BEFORE
             from pytest_torchperf.core import active_runs
-            from pytest_torchperf.probes import data_parallel, grads, loaders, recompiles
+            from pytest_torchperf.engine import ENGINE
             from pytest_torchperf.watching import installed_probes
             assert active_runs() == [] and installed_probes() == ()
-            assert len(loaders.PROBE.created) == 0 and len(loaders.PROBE.loader_of) == 0
-            assert len(data_parallel.PROBE.created) == 0
-            assert grads.PROBE.grad_owners == {} and grads.PROBE.inside_zero_grad == 0
-            assert recompiles.PROBE.attached is None
+            loaders, grads = ENGINE.probe("loaders"), ENGINE.probe("grads")
+            assert len(loaders.created) == 0 and len(loaders.loader_of) == 0
+            assert len(ENGINE.probe("data_parallel").created) == 0
+            assert grads.grad_owners == {} and grads.inside_zero_grad == 0
+            assert ENGINE.probe("recompiles").attached is None
         """
     )
     result = user_models.runpytest("-p", "no:warnings", "-p", "no:randomly")

@@ -15,8 +15,7 @@ import statistics
 from typing import Any, Optional
 
 from ..durations import format_seconds as fmt
-from ..probes.batches import PROBE as BATCHES
-from ..probes.batches import LoaderInfo, Pass
+from ..probes.batches import BatchesProbe, LoaderInfo, Pass
 from ..stacks import USER, classify, display_path
 
 __all__ = ["LoaderWait", "function_name", "percent"]
@@ -49,7 +48,9 @@ def function_name(fn: Any, owner: str = "") -> str:
 class LoaderWait:
     """The training passes of one DataLoader, summed."""
 
-    def __init__(self, info: LoaderInfo, passes: list[Pass], description: str, built_at: Optional[str]) -> None:
+    def __init__(
+        self, info: LoaderInfo, passes: list[Pass], description: str, built_at: Optional[str], batches: BatchesProbe
+    ) -> None:
         self.info = info
         self.passes = passes
         self.description = description
@@ -66,7 +67,7 @@ class LoaderWait:
         # The workers' own time per batch, from the pools these passes ran on (forked while every batch was timed).
         seconds, count = 0.0, 0
         for pool in sorted({p.pool for p in passes if p.pool >= 0}):
-            s, c = BATCHES.worker_times(pool, self.workers)
+            s, c = batches.worker_times(pool, self.workers)
             seconds, count = seconds + s, count + c
         self.worker_s = seconds / count if count else None
         self.worker_batches = count

@@ -18,8 +18,7 @@ from time import perf_counter as _perf_counter
 from typing import Any, Optional
 
 from ..durations import format_seconds as fmt
-from ..probes.batches import PROBE as BATCHES
-from ..probes.batches import Pass
+from ..probes.batches import BatchesProbe, Pass
 from ..text import plural
 
 __all__ = ["RunClock", "first_batch_line", "first_batches", "pool_cost"]
@@ -58,8 +57,8 @@ class RunClock:
         return now - self.started, "of the watched run"
 
 
-def first_batches(loader: Any, since: float) -> list[Pass]:
-    return [p for p in BATCHES.passes_of(loader, since) if p.first is not None]
+def first_batches(batches: BatchesProbe, loader: Any, since: float) -> list[Pass]:
+    return [p for p in batches.passes_of(loader, since) if p.first is not None]
 
 
 def pool_cost(

@@ -35,8 +35,6 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict
 from ..arguments import Flag
 from ..core import Check
 from ..frames import locate, owner_label, stack_of
-from ..probes.loaders import PROBE as LOADERS
-from ..probes.syncs import PROBE as SYNCS
 from ..probes.syncs import UnsyncedRead
 from ..probes.tensors import AsyncCopy
 from ..registry import Invariant
@@ -110,7 +108,8 @@ class CopyHygieneCheck(Check):
     def __init__(self, run: Run) -> None:
         super().__init__(run)
         self._patterns: dict[Any, _Pattern] = {}
-        self._log = LOADERS.log_for(run, batches=True)
+        self._log = run.probe("loaders").log_for(run, batches=True)
+        self._syncs = run.probe("syncs")
         self._log.contents = True
         self.copies = 0
 
@@ -128,7 +127,7 @@ class CopyHygieneCheck(Check):
     def on_async_copy(self, event: AsyncCopy) -> None:
         self.copies += 1
         if event.to_host:
-            SYNCS.await_sync(event.result, (self, _where(event.frame)))
+            self._syncs.await_sync(event.result, (self, _where(event.frame)))
             return
         source = event.source
         rec = self._log.loader_of_tensor(source)

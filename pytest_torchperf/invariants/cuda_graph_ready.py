@@ -36,9 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict
 from ..arguments import Flag
 from ..core import Check
 from ..frames import locate, owner_label, stack_of
-from ..probes.loaders import PROBE as LOADERS
 from ..probes.syncs import Sync
-from ..probes.tensors import PROBE as TENSORS
 from ..probes.tensors import Move
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
@@ -146,7 +144,8 @@ class CudaGraphReadyCheck(Check):
     def __init__(self, run: Run) -> None:
         super().__init__(run)
         self._blockers: dict[Any, _Blocker] = {}
-        self._log = LOADERS.log_for(run, batches=True)
+        self._log = run.probe("loaders").log_for(run, batches=True)
+        self._tensors = run.probe("tensors")
         self._log.contents = True
 
     def _add(self, key: Any, kind: str, label: str, stack: Any, by_user: bool, facts: list[str]) -> None:
@@ -183,7 +182,7 @@ class CudaGraphReadyCheck(Check):
         birth = event.birth
         if birth is None:
             # On an accelerator: a real copy of a host tensor that is no batch (and not pinned staging memory).
-            if not event.real_copy or TENSORS.from_loader(event.tensor):
+            if not event.real_copy or self._tensors.from_loader(event.tensor):
                 return
         elif birth.caller_kind != USER or birth.explicit or birth.with_module or not event.first:
             return  # torch's or a library's tensors, a host buffer on purpose, or one moved before

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict, Union
 from ..arguments import Argument, ArgumentKind, Integer, UsageError, suggest
 from ..core import Check
 from ..probes import cuda_available
-from ..probes.gpu_settings import PROBE, settings
+from ..probes.gpu_settings import settings
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..text import plural
@@ -108,14 +108,15 @@ class GpuSettingsCheck(Check):
         self.autocast = 0
         self.precision_stack: Any = None
         self.precision_value: Optional[str] = None
+        self._probe = run.probe("gpu_settings")
 
     def on_step_start(self) -> None:
         if self.first is None:
             self.first = settings()
-        PROBE.current = set()
+        self._probe.current = set()
 
     def on_step_end(self) -> None:
-        self.shapes.append(PROBE.take_step())
+        self.shapes.append(self._probe.take_step())
 
     def on_autocast(self, device: Any, dtype: Any) -> None:
         if self.run.in_scope:
@@ -123,8 +124,8 @@ class GpuSettingsCheck(Check):
 
     def on_run_end(self) -> None:
         self.last = settings()
-        self.precision_stack = PROBE.precision_set
-        self.precision_value = PROBE.precision_value
+        self.precision_stack = self._probe.precision_set
+        self.precision_value = self._probe.precision_value
 
     def _gpu(self) -> Optional[tuple[str, tuple[int, int]]]:
         if isinstance(self.target, str):

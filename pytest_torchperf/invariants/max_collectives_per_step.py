@@ -72,6 +72,7 @@ class CollectivesCheck(StepWindows, Check):
         self._stacks = StackCache()
         #: id(reducer) -> gradient bytes per round (no reference to the DDP module: ranks must free it).
         self._grad_bytes: dict[int, int] = {}
+        self._collectives = run.probe("collectives")
 
     def window_opened(self, counted: bool) -> None:
         pass
@@ -122,14 +123,13 @@ class CollectivesCheck(StepWindows, Check):
 
     # -- the verdict ------------------------------------------------------------------------------
     def result(self) -> CheckResult:
-        from ..probes.collectives import PROBE
-
         steps = self.counted
         figures: Figures = {
             "max_collectives_per_step": self.budget, "count_warmup_steps": self.warmup, "counted_steps": steps,
         }
-        if "collectives" in PROBE.unavailable:
-            return CheckResult(NAME, NOT_CHECKED, PROBE.unavailable["collectives"], 0, [], figures)
+        unavailable = self._collectives.unavailable
+        if "collectives" in unavailable:
+            return CheckResult(NAME, NOT_CHECKED, unavailable["collectives"], 0, [], figures)
         if not steps:
             why = (
                 f"no training step counted: {plural(self.windows, 'step')} seen, the first {self.warmup} are "

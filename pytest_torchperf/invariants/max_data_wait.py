@@ -30,9 +30,7 @@ from ..core import Check
 from ..durations import Duration, Share, seconds
 from ..durations import format_seconds as fmt
 from ..probes import cuda_available
-from ..probes.batches import PROBE as BATCHES
 from ..probes.batches import LoaderInfo, Pass
-from ..probes.loaders import PROBE as LOADERS
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding
 from ..text import plural
@@ -55,8 +53,9 @@ class DataWaitCheck(Check):
         self.limit = float(run.options.max_data_wait)
         self.target_text: Optional[str] = run.options.target_step_time
         self.target = seconds(self.target_text)
-        self.log = LOADERS.log_for(run, batches=True)
-        self.seen = BATCHES.every_batch_for(run)
+        self.batches = run.probe("batches")
+        self.log = run.probe("loaders").log_for(run, batches=True)
+        self.seen = self.batches.every_batch_for(run)
         self.started = _perf_counter()
 
     # -- which passes count -------------------------------------------------------------
@@ -93,7 +92,7 @@ class DataWaitCheck(Check):
             + (f" (built at {where})" if rec is not None and rec.created is not None and where else
                f" (first iterated at {where})" if where else "")
         )
-        return LoaderWait(info, passes, description, where), sites
+        return LoaderWait(info, passes, description, where, self.batches), sites
 
     # -- verdict --------------------------------------------------------------------------
     def _judge(self, w: LoaderWait) -> tuple[bool, Optional[float], str]:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from ..arguments import Integer
 from ..core import Check
 from ..probes import cuda_available
-from ..probes import optimizers as _optimizers
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding
 from ..text import plural
@@ -41,6 +40,7 @@ class MemoryGrowthCheck(Check):
 
     def __init__(self, run: Run) -> None:
         super().__init__(run)
+        self._optimizers = run.probe("optimizers")
         self.budget: int = run.options.max_memory_growth
         self.memory = MemoryTrace()
         self.cuda_steps = 0
@@ -51,7 +51,7 @@ class MemoryGrowthCheck(Check):
 
     def on_optimizer_step(self, optimizer: Any) -> None:
         self.optimizer_steps += 1
-        devices, _ = _optimizers.placement(optimizer)
+        devices, _ = self._optimizers.placement(optimizer)
         if "cuda" in devices:
             self.cuda_steps += 1
 

@@ -71,9 +71,7 @@ class OpsCheck(StepWindows, Check):
         StepWindows.__init__(self, run, run.options.count_warmup_steps)
         self.budget = run.options.max_ops_per_step
         self.limit = run.options.count_steps
-        from ..probes.ops import PROBE
-
-        self.probe = PROBE
+        self.probe = run.probe("ops")
         #: id(op) -> calls over the counted steps; total calls of each counted step.
         self.totals: dict[Any, int] = {}
         self.step_totals: list[int] = []

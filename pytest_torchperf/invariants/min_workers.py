@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Integer
 from ..core import Check
-from ..probes.loaders import PROBE as LOADERS
 from ..probes.loaders import LoaderRecord
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding
@@ -35,7 +34,7 @@ class MinWorkersCheck(Check):
     def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.minimum = int(run.options.min_workers or 1)
-        self.log = LOADERS.log_for(run, batches=True)
+        self.log = run.probe("loaders").log_for(run, batches=True)
 
     def _finding(self, rec: LoaderRecord) -> Finding:
         title = (

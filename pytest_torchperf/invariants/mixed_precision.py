@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict
 from ..arguments import Flag
 from ..core import Check
 from ..probes import cuda_available
-from ..probes import optimizers as _optimizers
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Stack, capture
@@ -62,6 +61,7 @@ class PrecisionCheck(Check):
 
     def __init__(self, run: Run) -> None:
         super().__init__(run)
+        self._optimizers = run.probe("optimizers")
         self.autocast_regions = 0
         self.autocast_dtypes: set[str] = set()
         self.steps = {"mixed": 0, "16-bit": 0, "float32": 0}
@@ -84,7 +84,7 @@ class PrecisionCheck(Check):
             self.autocast_dtypes.add(str(dtype).replace("torch.", ""))
 
     def on_optimizer_step(self, optimizer: Any) -> None:
-        devices, dtypes = _optimizers.placement(optimizer)
+        devices, dtypes = self._optimizers.placement(optimizer)
         on = sorted(devices & frozenset(ACCELERATORS))
         if not on:
             self.steps_elsewhere += 1

@@ -63,6 +63,7 @@ class ConstantBufferCheck(Check):
         #: id(ddp) -> what its broadcasts showed (no reference to the module: a rank must free it).
         self.modules: dict[int, _Module] = {}
         self.forwards = 0
+        self._ddp = run.probe("ddp")
 
     def on_framework_call(self, call: FrameworkCall) -> None:
         self.context.on_framework_call(call)
@@ -73,10 +74,8 @@ class ConstantBufferCheck(Check):
     def on_ddp_buffers(self, ddp: Any) -> None:
         seen = self.modules.get(id(ddp))
         if seen is None:
-            from ..probes.ddp import PROBE
-
             seen = self.modules[id(ddp)] = _Module(until_user_frame(capture(3)))
-            seen.created = PROBE.created.get(ddp)
+            seen.created = self._ddp.created.get(ddp)
         seen.broadcasts += 1
         named = getattr(ddp, "named_module_buffers", None) or {}
         with core.suspended():  # torchperf's own ops: not the step's (max_ops_per_step), never a finding

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
-from ..probes.data_parallel import PROBE
+from ..probes.data_parallel import DataParallelProbe
 from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site
 from ..stacks import Stack
@@ -49,12 +49,12 @@ _DP_STRATEGIES = ("DataParallelStrategy", "DataParallelPlugin")
 
 
 class _Instance:
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, probe: DataParallelProbe) -> None:
         self.ref = weakref.ref(module)
         inner = getattr(module, "module", None)
         self.description = f"{type(module).__name__}({type(inner).__name__})"
         self.device_ids = list(getattr(module, "device_ids", None) or [])
-        self.created: Optional[Stack] = PROBE.created.get(module)
+        self.created: Optional[Stack] = probe.created.get(module)
         #: The subclass's name when it is not torch's own DataParallel (``MMDataParallel``).
         self.subclass = "" if type(module).__module__.startswith("torch.") else type(module).__name__
         self.forwards = 0
@@ -78,12 +78,13 @@ class DataParallelCheck(Check):
     def __init__(self, run: Run) -> None:
         super().__init__(run)
         self._instances: dict[int, _Instance] = {}
+        self._probe: DataParallelProbe = run.probe("data_parallel")
         self.strategies: list[str] = []
 
     def _record(self, module: Any) -> _Instance:
         rec = self._instances.get(id(module))
         if rec is None or rec.ref() is not module:
-            rec = self._instances[id(module)] = _Instance(module)
+            rec = self._instances[id(module)] = _Instance(module, self._probe)
         return rec
 
     # -- events ------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from ..arguments import Argument, Flag
 from ..core import Check
 from ..glue import trace
 from ..probes import debug_modes
-from ..probes import graphs as graph_probe
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import FRAMEWORK, TORCHPERF, Stack, site_of
@@ -86,7 +85,10 @@ class DebugModesCheck(Check):
         #: Training steps of the run (``run.steps``, read when it ends).
         self.steps = 0
         self._anomaly, self._profiler, self._deterministic = debug_modes.readers()
-        self._graphs = graph_probe.PROBE
+        self._modes = run.probe("debug_modes")
+        #: The engine's graphs probe, installed by another invariant or not: its creation trace turns anomaly
+        #: mode on, which is torchperf's, not the user's.
+        self._graphs = run.engine.probe("graphs")
         #: ``CUDA_LAUNCH_BLOCKING`` was set when the run started (read again when it ends).
         self._launch_blocking = debug_modes.launch_blocking()
         if run.scope == "test":  # the whole test is the step: no step polls, the switches read at its ends
@@ -130,7 +132,7 @@ class DebugModesCheck(Check):
             # CUDA reads the variable once, when it starts: set before the run or during it, every step ran with it
             self.modes.setdefault("launch_blocking", _Mode()).steps = self.steps
         for mode in self.modes:
-            stack = debug_modes.turned_on(mode)
+            stack = self._modes.turned_on.get(mode)
             if stack is not None:
                 self.stacks[mode] = stack
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Argument, Flag, Integer
 from ..core import Check
-from ..probes.graph_breaks import PROBE, GraphBreak
+from ..probes.graph_breaks import GraphBreak
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import USER, Frame, site_of
@@ -115,9 +115,10 @@ class GraphBreakCheck(Check):
         #: Compiled functions a step called whose code dynamo had compiled before (outside the steps, earlier).
         self.ran_compiled = 0
         self.attached: Optional[bool] = None
+        self._graph_breaks = run.probe("graph_breaks")
 
     def on_run_end(self) -> None:
-        self.attached = PROBE.attached
+        self.attached = self._graph_breaks.attached
 
     def on_compile(self) -> None:
         self.compiles += 1

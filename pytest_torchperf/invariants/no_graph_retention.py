@@ -66,7 +66,6 @@ from ..arguments import Flag
 from ..clocks import perf_counter
 from ..core import Check
 from ..probes import cuda_available
-from ..probes.graphs import PROBE as GRAPHS
 from ..probes.optimizers import parameters
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
@@ -225,19 +224,21 @@ class GraphRetentionCheck(Check):
         #: Module outputs tagged in sampled steps (an output the loss never reads is only seen this way).
         self.outputs_tagged = 0
         self._outputs_armed = False
+        #: The probe that tags the graphs and samples the backward passes (this run's engine's).
+        self._graphs = run.probe("graphs")
 
     # -- events -------------------------------------------------------------------------
     def on_step_start(self) -> None:
         # The hot path: one sequence number per step; the rest only while something is pending.
         self.starts.append(self._sequence())
         if self._outputs_armed:
-            GRAPHS.disarm_forward(self._tag_output)
+            self._graphs.disarm_forward(self._tag_output)
             self._outputs_armed = False
         if self.pending or self.first_seen is not None or self.memory is not None:
             self._step_started(len(self.starts))
-        if self.first_seen is None and GRAPHS.due():
+        if self.first_seen is None and self._graphs.due():
             # A sampled step: its module outputs are tagged too, the ones the loss never reads included.
-            GRAPHS.arm_forward(self._tag_output)
+            self._graphs.arm_forward(self._tag_output)
             self._outputs_armed = True
 
     def _sentinel(self, step: int, before_backward: bool = False) -> _Sentinel:
@@ -247,9 +248,9 @@ class GraphRetentionCheck(Check):
         sentinel = last.ref() if last is not None and last.step == step else None
         if sentinel is None:
             sentinel = _Sentinel()
-            calls = GRAPHS.calls + (1 if before_backward else 0)
-            self.pending.append(_Tagged(step, weakref.ref(sentinel), GRAPHS.optimizer_steps, calls))
-            GRAPHS.await_optimizer_step()
+            calls = self._graphs.calls + (1 if before_backward else 0)
+            self.pending.append(_Tagged(step, weakref.ref(sentinel), self._graphs.optimizer_steps, calls))
+            self._graphs.await_optimizer_step()
             self.tagged_steps += 1
             if len(self.pending) > MAX_PENDING:
                 del self.pending[0]
@@ -274,12 +275,12 @@ class GraphRetentionCheck(Check):
                 self.outputs_tagged += 1
 
     def _step_started(self, step: int) -> None:
-        if self.traced_step is not None and self.traced_step < step and GRAPHS.tracing:
-            GRAPHS.stop_tracing()
+        if self.traced_step is not None and self.traced_step < step and self._graphs.tracing:
+            self._graphs.stop_tracing()
         if self.memory is not None:
             self.memory.sample(step - 1)  # allocated memory at the boundary after step - 1
         self._judge(step - 2, scan_at=step - 1)
-        if self.trace_step is not None and self.traced_step is None and GRAPHS.trace_creations():
+        if self.trace_step is not None and self.traced_step is None and self._graphs.trace_creations():
             self.traced_step = step
 
     def on_backward_sample(self, roots: tuple[Any, ...]) -> None:
@@ -295,15 +296,15 @@ class GraphRetentionCheck(Check):
 
     def on_run_end(self) -> None:
         if self._outputs_armed:
-            GRAPHS.disarm_forward(self._tag_output)
+            self._graphs.disarm_forward(self._tag_output)
             self._outputs_armed = False
-        if GRAPHS.tracing:
-            GRAPHS.stop_tracing()
+        if self._graphs.tracing:
+            self._graphs.stop_tracing()
         steps = len(self.starts)
         self._judge(steps - 1, scan_at=steps, final=True)
-        self.backward_passes = GRAPHS.calls
-        self.sampled_passes = GRAPHS.samples
-        self.sample_seconds = GRAPHS.sample_seconds
+        self.backward_passes = self._graphs.calls
+        self.sampled_passes = self._graphs.samples
+        self.sample_seconds = self._graphs.sample_seconds
 
     # -- judging ------------------------------------------------------------------------
     def _judge(self, newest: int, scan_at: int, final: bool = False) -> None:
@@ -314,10 +315,10 @@ class GraphRetentionCheck(Check):
         ``scan_at``: a scan then counts nodes of steps before this one as old.
         """
         alive = []
-        optimizer_steps = GRAPHS.optimizer_steps
-        by_hand = not optimizer_steps and not GRAPHS.optimizers  # no optimizer has stepped in the run
+        optimizer_steps = self._graphs.optimizer_steps
+        by_hand = not optimizer_steps and not self._graphs.optimizers  # no optimizer has stepped in the run
         for tagged in self.pending:
-            stepped = optimizer_steps > tagged.optimizer_steps or by_hand and GRAPHS.calls > tagged.backward_calls
+            stepped = optimizer_steps > tagged.optimizer_steps or by_hand and self._graphs.calls > tagged.backward_calls
             if tagged.ref() is None:
                 if stepped:
                     self.judged.add(tagged.step)
@@ -347,7 +348,7 @@ class GraphRetentionCheck(Check):
     def _scan(self, step: int) -> None:
         self._last_scan_at = step
         skip_storages: set[int] = set()
-        for optimizer in list(GRAPHS.optimizers):
+        for optimizer in list(self._graphs.optimizers):
             for p in parameters(optimizer):
                 try:
                     skip_storages.add(p.untyped_storage().data_ptr())
@@ -466,7 +467,7 @@ class GraphRetentionCheck(Check):
     def _findings(self) -> list[Finding]:
         assert self.first_seen is not None
         tagged, seen = self.first_seen
-        after = "its optimizer step had run" if GRAPHS.optimizer_steps else "a later backward pass had run"
+        after = "its optimizer step had run" if self._graphs.optimizer_steps else "a later backward pass had run"
         first_fact = (
             f"first seen after step {seen} ended: the graph built in step {tagged} was still alive after "
             f"{after} and step {tagged + 1} had ended"

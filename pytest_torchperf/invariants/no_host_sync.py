@@ -25,7 +25,7 @@ from ..allow import AllowList
 from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import Located, describe_frame, owner_label, stack_of
-from ..probes.syncs import PROBE, WOULD, Op, Sync
+from ..probes.syncs import WOULD, Op, Sync
 from ..registry import Invariant
 from ..report import CheckResult, Finding, Site
 from ..stacks import TORCH, TORCHPERF, USER, Frame, Stack, classify, until_user_frame
@@ -216,7 +216,8 @@ class HostSyncCheck(Check):
         self.strict = run.options.fail_on_framework_syncs
         self.limit: float = run.options.max_sync_rate
         self._sites: dict[Any, _SyncSite] = {}
-        self._host_reads_at_start = PROBE.host_reads
+        self._syncs = run.probe("syncs")
+        self._host_reads_at_start = self._syncs.host_reads
         self.host_reads = 0
         self.unavailable: dict[str, str] = {}
         #: Passes over DataLoaders begun so far: the epoch an event belongs to.
@@ -243,8 +244,8 @@ class HostSyncCheck(Check):
         return site
 
     def on_run_end(self) -> None:
-        self.host_reads = PROBE.host_reads - self._host_reads_at_start
-        self.unavailable = dict(PROBE.unavailable)
+        self.host_reads = self._syncs.host_reads - self._host_reads_at_start
+        self.unavailable = dict(self._syncs.unavailable)
 
     # -- verdict -----------------------------------------------------------------------
     def _hint(self, site: _SyncSite) -> str:

@@ -31,10 +31,8 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict
 from .. import frameworks
 from ..arguments import Flag
 from ..core import Check
-from ..probes.batches import PROBE as BATCHES
 from ..probes.batches import Pass
 from ..probes.iterators import DROP, POOL, SHUTDOWN
-from ..probes.loaders import PROBE as LOADERS
 from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import Frame, Stack
@@ -44,6 +42,7 @@ from ._pool_cost import RunClock, first_batch_line, first_batches, pool_cost
 if TYPE_CHECKING:
     from ..core import Run
     from ..frameworks._calls import FrameworkCall
+    from ..probes.loaders import LoadersProbe
 
 NAME = "no_iterator_reset"
 _ORDINALS = {1: "first", 2: "second", 3: "third"}
@@ -63,7 +62,7 @@ class _Event:
 class _Loader:
     """What one run saw of one DataLoader."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, loaders: LoadersProbe) -> None:
         self.loader = loader  # held until the verdict, so its id cannot be reused meanwhile
         self.num_workers = int(getattr(loader, "num_workers", 0) or 0)
         self.persistent = bool(getattr(loader, "persistent_workers", False))
@@ -73,14 +72,14 @@ class _Loader:
             f"num_workers={self.num_workers}, persistent_workers={self.persistent})"
         )
         #: Where it was built (None: built before the run), and your frames on the way there, outermost first.
-        self.created: Optional[Stack] = LOADERS.created.get(loader)
+        self.created: Optional[Stack] = loaders.created.get(loader)
         #: Its rank among the loaders built while the run watched (None: built before).
-        self.order = next((i for i, built in enumerate(LOADERS.created.keys()) if built is loader), None)
+        self.order = next((i for i, built in enumerate(loaders.created.keys()) if built is loader), None)
         mine = [f for f in self.created or () if f.is_user]
         self.chain: tuple[Frame, ...] = tuple(mine)
         self.built_at = self.chain[-1].location() if self.chain else None
         #: The framework whose code built it from your line (the Hugging Face Trainer builds its own), or None.
-        self.built_by: Optional[str] = LOADERS.built_by.get(loader)
+        self.built_by: Optional[str] = loaders.built_by.get(loader)
         #: Set by the verdict: the name shown in reports (with the line that built it).
         self.description = self.kind
         self.passes = 0
@@ -123,7 +122,10 @@ class IteratorResetCheck(Check):
         #: Segment -> the Trainer's reload_dataloaders_every_n_epochs, for the segments of a Trainer call.
         self._reload: dict[int, int] = {}
         #: Where each loader was built or first iterated: the loaders probe fills it while the run has it.
-        self.log = LOADERS.log_for(run)
+        self.loaders = run.probe("loaders")
+        self.log = self.loaders.log_for(run)
+        #: The first batch of each pass, timed (probe batches).
+        self.batches = run.probe("batches")
         #: When the run and its Trainer calls ran (what a rebuilt pool's seconds are a share of).
         self.clock = RunClock()
 
@@ -141,12 +143,12 @@ class IteratorResetCheck(Check):
     def on_run_end(self) -> None:
         self.clock.end()
         for rec in self._loaders.values():  # the probe forgets them when it is removed, before the verdict
-            rec.timed = first_batches(rec.loader, self.clock.started)
+            rec.timed = first_batches(self.batches, rec.loader, self.clock.started)
 
     def _record(self, loader: Any) -> _Loader:
         rec = self._loaders.get(id(loader))
         if rec is None or rec.loader is not loader:
-            rec = self._loaders[id(loader)] = _Loader(loader)
+            rec = self._loaders[id(loader)] = _Loader(loader, self.loaders)
         return rec
 
     def _label(self, rec: _Loader) -> tuple[str, bool]:
@@ -166,7 +168,7 @@ class IteratorResetCheck(Check):
         self._clock += 1
         rec.used(self._clock)
         label, sanity = self._label(rec)
-        timing = BATCHES.latest_pass(loader) if kind == POOL else None
+        timing = self.batches.latest_pass(loader) if kind == POOL else None
         rec.events.append(_Event(kind, stack, self._segment, label, sanity, how, timing))
 
     # -- verdict ----------------------------------------------------------------

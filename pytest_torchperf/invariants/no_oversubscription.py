@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from ..arguments import Flag
 from ..core import Check
-from ..probes.threads import PROBE
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..text import plural
@@ -68,6 +67,7 @@ class OversubscriptionCheck(Check):
         self.ranks_from = ""
         self.set_at: Any = None
         self.set_value: Optional[int] = None
+        self._threads = run.probe("threads")
 
     def on_step_start(self) -> None:
         if not self.main:
@@ -90,7 +90,7 @@ class OversubscriptionCheck(Check):
         import torch
 
         self.main = max(self.main, int(torch.get_num_threads()))
-        self.set_at, self.set_value = PROBE.set_at, PROBE.value
+        self.set_at, self.set_value = self._threads.set_at, self._threads.value
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         if local.isdigit() and int(local) > self.ranks:
             self.ranks, self.ranks_from = int(local), f"LOCAL_WORLD_SIZE={local}: {local} ranks on this machine"

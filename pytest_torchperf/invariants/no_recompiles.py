@@ -44,8 +44,6 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict
 from .. import frameworks
 from ..arguments import Argument, Flag, Integer
 from ..core import Check
-from ..probes.loaders import PROBE as LOADERS
-from ..probes.recompiles import PROBE
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import Stack, display_path
@@ -133,7 +131,8 @@ class RecompileCheck(Check):
 
     def __init__(self, run: Run) -> None:
         super().__init__(run)
-        self.log = LOADERS.log_for(run)
+        self.log = run.probe("loaders").log_for(run)
+        self._recompiles = run.probe("recompiles")
         self.compiles = 0
         self.recompiles: list[_Recompile] = []
         #: torch._dynamo.reset() calls during the run.
@@ -142,7 +141,7 @@ class RecompileCheck(Check):
         self.attached: Optional[bool] = None
 
     def on_run_end(self) -> None:
-        self.attached = PROBE.attached
+        self.attached = self._recompiles.attached
 
     def _phase(self, guard: str) -> tuple[bool, str]:
         """(warm-up, where the run is) for a recompile happening now on ``guard``."""

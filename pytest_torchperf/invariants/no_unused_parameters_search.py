@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict
 from .. import core, frameworks
 from ..arguments import Flag
 from ..core import Check
-from ..probes.ddp import PROBE, reducer_parameter_names
+from ..probes.ddp import DDPProbe, reducer_parameter_names
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
 from ..stacks import Stack, capture, until_user_frame
@@ -43,14 +43,14 @@ NAME = "no_unused_parameters_search"
 class _Module:
     """One DDP module as one run saw it."""
 
-    def __init__(self, ddp: Any) -> None:
+    def __init__(self, ddp: Any, probe: DDPProbe) -> None:
         self.ref = weakref.ref(ddp)
         self.searching = bool(getattr(ddp, "find_unused_parameters", False)) and not bool(
             getattr(ddp, "static_graph", False)
         )
-        self.created: Optional[Stack] = PROBE.created.get(ddp)
+        self.created: Optional[Stack] = probe.created.get(ddp)
         #: The framework that built it (None: the user did, or it was built before the run).
-        self.built_by: Optional[str] = PROBE.built_by.get(ddp)
+        self.built_by: Optional[str] = probe.built_by.get(ddp)
         self.first_forward: Optional[Stack] = None
         self.description = f"DistributedDataParallel({type(ddp.module).__name__})"
         self.names = reducer_parameter_names(ddp) if self.searching else []
@@ -78,6 +78,7 @@ class UnusedParametersCheck(Check):
         super().__init__(run)
         self.context = Context()
         self._modules: dict[int, _Module] = {}
+        self._ddp: DDPProbe = run.probe("ddp")
         #: id(reducer) -> the record of its DDP module.
         self._by_reducer: dict[int, _Module] = {}
         self._torch: Any = None
@@ -88,7 +89,7 @@ class UnusedParametersCheck(Check):
     def on_ddp_forward(self, ddp: Any) -> None:
         rec = self._modules.get(id(ddp))
         if rec is None or rec.ref() is not ddp:
-            rec = self._modules[id(ddp)] = _Module(ddp)
+            rec = self._modules[id(ddp)] = _Module(ddp, self._ddp)
             if rec.searching and rec.created is None:  # built before the run: show where it runs
                 rec.first_forward = until_user_frame(capture(3))
         self._by_reducer[id(getattr(ddp, "reducer", None))] = rec

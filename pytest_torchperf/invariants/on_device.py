@@ -39,7 +39,6 @@ from ..arguments import Argument, Flag, Fraction, Integer, SiteList
 from ..core import Check
 from ..frames import describe_frame, locate, owner_label, stack_of
 from ..probes._host import DATA, LEGACY
-from ..probes.tensors import PROBE as TENSORS
 from ..probes.tensors import Birth, Move
 from ..registry import Invariant
 from ..report import CheckResult, Finding, Site
@@ -234,7 +233,8 @@ class DevicePlacementCheck(Check):
     def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.allow = AllowList(run.options.allowed_copies)
-        TENSORS.want_functions(self.allow.function_names)
+        self._tensors = run.probe("tensors")
+        self._tensors.want_functions(self.allow.function_names)
         self._copies: dict[Any, _Copy] = {}
         self.limit: float = run.options.max_copy_rate
         #: Passes over DataLoaders begun so far: the epoch a copy belongs to.
@@ -271,7 +271,7 @@ class DevicePlacementCheck(Check):
             built_in_step = born_in_scope and event.first and birth.unit_in(run) == run.unit
             by_user = birth.caller_kind == USER
         else:  # a real copy of a tensor of unknown birth
-            if TENSORS.from_loader(event.tensor) or _is_pinned(event.tensor):
+            if self._tensors.from_loader(event.tensor) or _is_pinned(event.tensor):
                 return
             by_user = mover.kind == USER
         if mover.frame is None:

@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from ..arguments import Flag
 from ..core import Check
 from ..probes import cuda_available
-from ..probes import optimizers as _optimizers
-from ..probes.loaders import PROBE as LOADERS
 from ..probes.loaders import LoaderRecord
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding
@@ -40,12 +38,13 @@ class PinMemoryCheck(Check):
 
     def __init__(self, run: Run) -> None:
         super().__init__(run)
-        self.log = LOADERS.log_for(run, batches=True)
+        self.log = run.probe("loaders").log_for(run, batches=True)
+        self._optimizers = run.probe("optimizers")
         #: Device type -> optimizer steps of parameters on it.
         self.steps_on: dict[str, int] = {}
 
     def on_optimizer_step(self, optimizer: Any) -> None:
-        devices, _ = _optimizers.placement(optimizer)
+        devices, _ = self._optimizers.placement(optimizer)
         for device in devices:
             self.steps_on[device] = self.steps_on.get(device, 0) + 1
 

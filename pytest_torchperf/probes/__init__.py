@@ -19,7 +19,13 @@ A probe is a guest in the user's process:
 - it says what it cannot see (:attr:`Probe.unavailable`) so that no invariant
   passes on observations it never made.
 
-Built-in probes are the modules of this package, each with a ``PROBE``.
+Built-in probes are the modules of this package, each defining one :class:`Probe`
+subclass whose :attr:`~Probe.name` is the module's name. No module holds an
+instance: the engine (:class:`pytest_torchperf.engine.Engine`) makes one of each
+probe it is asked for (:meth:`~pytest_torchperf.engine.Engine.probe`), keeps it
+for its lifetime, and hands it the instances of the probes it needs
+(:attr:`Probe.needed`); a check gets the probes it reads from its run
+(``run.probe("syncs")``).
 """
 
 from __future__ import annotations
@@ -41,12 +47,19 @@ __all__ = [
 
 
 class Probe:
-    """Base class of a probe. Subclasses set :attr:`name` and define :meth:`install` and :meth:`reset`."""
+    """Base class of a probe. Subclasses set :attr:`name` and define :meth:`install` and :meth:`reset`.
+
+    A probe class is instantiated without arguments by the engine that installs it, once per engine; its
+    state lives on that instance.
+    """
 
     #: The name invariants use to ask for it (``"syncs"``).
     name: str = ""
     #: Names of the probes that must be installed before this one.
     needs: tuple[str, ...] = ()
+    #: The instances of :attr:`needs`, by name: set by the engine that made this probe (its own instances of
+    #: them), before the probe is first installed. A probe reads them here, never from a module.
+    needed: Mapping[str, Probe] = {}
     #: Events this probe sends beyond :data:`pytest_torchperf.core.EVENTS` (name -> what a handler receives):
     #: the checks of the invariants that use the probe may define them.
     events: Mapping[str, Any] = {}

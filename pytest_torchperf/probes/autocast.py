@@ -18,7 +18,7 @@ from . import Probe, is_compiling_function
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["AutocastProbe", "PROBE"]
+__all__ = ["AutocastProbe"]
 
 
 class AutocastProbe(Probe):
@@ -50,6 +50,3 @@ class AutocastProbe(Probe):
     def entered(self, region: Any) -> None:
         if getattr(region, "_enabled", False):
             core.notify("on_autocast", str(getattr(region, "device", "")), getattr(region, "fast_dtype", None))
-
-
-PROBE = AutocastProbe()

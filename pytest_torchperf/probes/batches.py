@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from ..core import Run
     from ..patching import Patcher
 
-__all__ = ["BatchesProbe", "LoaderInfo", "LoaderTimes", "Pass", "PROBE"]
+__all__ = ["BatchesProbe", "LoaderInfo", "LoaderTimes", "Pass"]
 
 #: Worker pools whose workers' times are kept (slots reused in turn), and workers per pool.
 MAX_POOLS = 1024
@@ -403,6 +403,3 @@ class BatchesProbe(Probe):
         patcher.wrap(dl._MultiProcessingDataLoaderIter, "__init__", wrap_pool_init)
         patcher.wrap(fetch_mod._MapDatasetFetcher, "fetch", wrap_fetch)
         patcher.wrap(fetch_mod._IterableDatasetFetcher, "fetch", wrap_fetch)
-
-
-PROBE = BatchesProbe()

@@ -32,7 +32,7 @@ from . import Probe, is_compiling_function
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["CollectivesProbe", "KINDS", "PROBE", "tensor_bytes"]
+__all__ = ["CollectivesProbe", "KINDS", "tensor_bytes"]
 
 #: torch.distributed function -> (the kind it counts as, which argument holds its data).
 KINDS: dict[str, tuple[str, int]] = {
@@ -132,6 +132,3 @@ class CollectivesProbe(Probe):
             patcher.wrap(DistributedDataParallel, "_sync_buffers", wrap_sync_buffers)
         else:  # pragma: no cover - a torch without it
             self.unavailable["ddp_buffers"] = "this torch's DDP buffer broadcast cannot be observed"
-
-
-PROBE = CollectivesProbe()

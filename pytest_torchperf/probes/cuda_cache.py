@@ -19,7 +19,7 @@ from . import Probe
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["CudaCacheProbe", "PROBE"]
+__all__ = ["CudaCacheProbe"]
 
 
 class CudaCacheProbe(Probe):
@@ -53,6 +53,3 @@ class CudaCacheProbe(Probe):
     def called(self) -> None:
         if core.handlers("on_empty_cache"):
             core.notify("on_empty_cache", capture(3))
-
-
-PROBE = CudaCacheProbe()

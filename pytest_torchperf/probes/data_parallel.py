@@ -29,7 +29,7 @@ from . import Probe, record_creation
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["DataParallelProbe", "PROBE"]
+__all__ = ["DataParallelProbe"]
 
 
 class DataParallelProbe(Probe):
@@ -127,6 +127,3 @@ class DataParallelProbe(Probe):
             return stack[0]
 
         core.notify("on_data_parallel_used", module, function, lazy)
-
-
-PROBE = DataParallelProbe()

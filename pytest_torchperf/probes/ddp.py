@@ -36,7 +36,7 @@ from . import Probe, is_compiling_function, record_creation
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["DDPProbe", "PROBE", "reducer_parameter_names"]
+__all__ = ["DDPProbe", "reducer_parameter_names"]
 
 
 def reducer_parameter_names(ddp: Any) -> list[str]:
@@ -112,6 +112,3 @@ class DDPProbe(Probe):
             patcher.wrap(reducer, "prepare_for_backward", wrap_prepare)
         else:  # pragma: no cover - a torch whose reducer hides it
             self.unavailable["armed"] = "this torch's DDP reducer cannot be observed"
-
-
-PROBE = DDPProbe()

@@ -11,7 +11,7 @@ themselves are read by the check at each step start (one C call each,
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..patching import wraps
 from ..stacks import Stack, capture
@@ -20,7 +20,7 @@ from . import Probe
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["DebugModesProbe", "PROBE", "MODES"]
+__all__ = ["DebugModesProbe", "MODES"]
 
 #: The modes, in report order.
 MODES = ("anomaly", "profiler", "launch_blocking", "deterministic")
@@ -94,10 +94,3 @@ def readers() -> tuple[Callable[[], bool], Callable[[], bool], Callable[[], bool
 def launch_blocking() -> bool:
     """Whether ``CUDA_LAUNCH_BLOCKING`` is set (CUDA reads it when it starts)."""
     return os.environ.get("CUDA_LAUNCH_BLOCKING", "0").strip() not in ("", "0")
-
-
-def turned_on(mode: str) -> Optional[Stack]:
-    return PROBE.turned_on.get(mode)
-
-
-PROBE = DebugModesProbe()

@@ -21,7 +21,7 @@ from . import Probe, is_compiling_function
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["FSDPProbe", "PROBE"]
+__all__ = ["FSDPProbe"]
 
 _FSDP_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 
@@ -65,6 +65,3 @@ class FSDPProbe(Probe):
 
         patcher.wrap(group, "pre_forward", wrap_pre_forward)
         patcher.wrap(group, "post_backward", wrap_post_backward)
-
-
-PROBE = FSDPProbe()

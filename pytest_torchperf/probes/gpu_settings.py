@@ -21,7 +21,7 @@ from . import Probe, is_compiling_function
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["GpuSettingsProbe", "PROBE", "settings"]
+__all__ = ["GpuSettingsProbe", "settings"]
 
 _CONVOLUTIONS = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 
@@ -104,6 +104,3 @@ def settings() -> dict[str, Any]:
         "conv_tf32": bool(getattr(cudnn, "allow_tf32", True)),
         "cudnn_benchmark": bool(getattr(cudnn, "benchmark", False)),
     }
-
-
-PROBE = GpuSettingsProbe()

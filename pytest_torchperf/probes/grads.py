@@ -30,7 +30,7 @@ from .tensors import _subclass_dispatch
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["GradsProbe", "PROBE"]
+__all__ = ["GradsProbe"]
 
 
 class GradsProbe(Probe):
@@ -152,6 +152,3 @@ class GradsProbe(Probe):
             grad = getattr(param, "grad", None)
             if grad is not None and grad.data_ptr() == ptr and core.handlers("on_grad_zeroed"):
                 core.notify("on_grad_zeroed", owner[1], capture(3))
-
-
-PROBE = GradsProbe()

@@ -30,7 +30,7 @@ from . import ModuleProbe, _compiled
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["GraphBreak", "GraphBreaksProbe", "PROBE", "parse_message"]
+__all__ = ["GraphBreak", "GraphBreaksProbe", "parse_message"]
 
 _SYMBOLIC_CONVERT = "torch._dynamo.symbolic_convert"
 _DYNAMO_DIR = f"{os.sep}torch{os.sep}_dynamo{os.sep}"
@@ -188,6 +188,3 @@ def _earlier_break(reason: str, frame: Frame, code: Any) -> GraphBreak:
         )
         hints = []
     return GraphBreak(kind, explanation, hints, (frame,), earlier=True)
-
-
-PROBE = GraphBreaksProbe()

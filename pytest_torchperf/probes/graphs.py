@@ -56,7 +56,7 @@ from . import Probe, is_compiling_function
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["GraphsProbe", "PROBE", "roots_of"]
+__all__ = ["GraphsProbe", "roots_of"]
 
 #: The share of the run's time the sampled graph walks may take.
 BUDGET = 0.005
@@ -445,6 +445,3 @@ class GraphsProbe(Probe):
     @property
     def tracing(self) -> bool:
         return self._restore is not None
-
-
-PROBE = GraphsProbe()

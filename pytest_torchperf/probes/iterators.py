@@ -26,7 +26,7 @@ from . import Probe
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["DROP", "POOL", "SHUTDOWN", "IteratorsProbe", "PROBE"]
+__all__ = ["DROP", "POOL", "SHUTDOWN", "IteratorsProbe"]
 
 POOL = "pool"
 DROP = "drop"
@@ -132,6 +132,3 @@ class IteratorsProbe(Probe):
         patcher.setattr(loader_cls, "__delattr__", __delattr__)
         patcher.wrap(pool_cls, "__init__", pool_init)
         patcher.wrap(pool_cls, "_shutdown_workers", shutdown)
-
-
-PROBE = IteratorsProbe()

@@ -3,7 +3,7 @@
 ``min_workers`` and ``pin_memory`` judge the *training* DataLoaders, and
 ``no_recompiles`` needs to know when a plain loop's first epoch ends. A check
 that needs any of that asks for its run's :class:`LoaderLog`
-(``PROBE.log_for(run)``); the probe fills the log of every active run that
+(``run.probe("loaders").log_for(run)``); the probe fills the log of every active run that
 has one:
 
 - ``DataLoader.__init__``: the stack that built a loader, kept while a run is
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ..core import Run
     from ..patching import Patcher
 
-__all__ = ["LoaderRecord", "LoaderLog", "LoadersProbe", "PROBE"]
+__all__ = ["LoaderRecord", "LoaderLog", "LoadersProbe"]
 
 #: Pass labels kept per loader (the rest are counted).
 _MAX_LABELS = 8
@@ -47,14 +47,15 @@ _MAX_LABELS = 8
 class LoaderRecord:
     """What one run saw of one DataLoader."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, created: Optional[Stack] = None) -> None:
         self.ref = weakref.ref(loader)
         self.loader_type = type(loader).__name__
         self.dataset_type = type(getattr(loader, "dataset", None)).__name__
         self.batch_size = getattr(loader, "batch_size", None)
         self.num_workers = 0
         self.pin_memory = False
-        self.created: Optional[Stack] = PROBE.created.get(loader)
+        #: The stack that built the loader (the probe's :attr:`LoadersProbe.created`), if a run was active then.
+        self.created: Optional[Stack] = created
         self.first_iterated: Optional[Stack] = None
         self.passes = 0
         self.labels: list[str] = []
@@ -107,7 +108,7 @@ class LoaderRecord:
 class LoaderLog:
     """The DataLoaders one run iterated."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, probe: LoadersProbe) -> None:
         # Weak: the probe's ``logs`` maps each run to its log weakly, and a log holding its run would keep
         # every run (its checks, its report) alive for the rest of the process.
         self._run = weakref.ref(run)
@@ -118,11 +119,13 @@ class LoaderLog:
         #: the latest batch's tensors came from (:meth:`loader_of_tensor`). Set it with ``batches``.
         self.contents = False
         self._latest: dict[int, tuple[Any, LoaderRecord]] = {}
+        #: The probe that fills the log (the stacks that built the loaders are its).
+        self._created = probe.created
 
     def record(self, loader: Any) -> LoaderRecord:
         rec = self.records.get(id(loader))
         if rec is None or rec.ref() is not loader:
-            rec = self.records[id(loader)] = LoaderRecord(loader)
+            rec = self.records[id(loader)] = LoaderRecord(loader, self._created.get(loader))
             rec.refresh(loader)
         return rec
 
@@ -247,7 +250,7 @@ class LoadersProbe(Probe):
         """
         log = self.logs.get(run)
         if log is None:
-            log = self.logs[run] = LoaderLog(run)
+            log = self.logs[run] = LoaderLog(run, self)
         if batches:
             log.batches = self.batching = True
         return log
@@ -331,6 +334,3 @@ class LoadersProbe(Probe):
                         log.on_batch(loader, batch, done=done)
         except Exception as exc:  # noqa: BLE001
             self.failed(exc)
-
-
-PROBE = LoadersProbe()

@@ -38,7 +38,7 @@ from . import Probe
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["OpsProbe", "PROBE", "op_name", "op_of"]
+__all__ = ["OpsProbe", "op_name", "op_of"]
 
 
 def op_name(func: Any) -> str:
@@ -239,6 +239,3 @@ def _locate(sample: Sample, func: Any, args: Any, frame: Any) -> None:
         site[0] += 1
     if id(func) not in sample.devices:
         sample.devices[id(func)] = _device_of(args)
-
-
-PROBE = OpsProbe()

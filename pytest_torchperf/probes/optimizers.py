@@ -23,40 +23,12 @@ from . import Probe
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["OptimizersProbe", "PROBE", "parameters", "placement"]
+__all__ = ["OptimizersProbe", "parameters"]
 
 
 def parameters(optimizer: Any) -> list[Any]:
     """The optimizer's parameters, in ``param_groups`` order."""
     return [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
-
-
-def placement(optimizer: Any) -> tuple[frozenset, frozenset]:
-    """``({"cuda"}, {"float32"})``: device types and dtypes of the optimizer's parameters.
-
-    Cached per optimizer while its group count, its first group's size and
-    its first parameter's device and dtype stay the same (a module moved after
-    the optimizer was built keeps its Parameter objects, so the device is part
-    of the key).
-    """
-    groups = getattr(optimizer, "param_groups", None) or ()
-    first_group = groups[0].get("params") if groups else None
-    if first_group:
-        first = first_group[0]
-        key: tuple = (len(groups), len(first_group), first.device, first.dtype)
-    else:
-        key = (len(groups),)
-    cached = PROBE.placements.get(optimizer)
-    if cached is not None and cached[0] == key:
-        return cached[1], cached[2]
-    params = parameters(optimizer)
-    devices = frozenset(p.device.type for p in params)
-    dtypes = frozenset(str(p.dtype).replace("torch.", "") for p in params)
-    try:
-        PROBE.placements[optimizer] = (key, devices, dtypes)
-    except TypeError:  # pragma: no cover - an optimizer that cannot be weakly referenced
-        pass
-    return devices, dtypes
 
 
 class OptimizersProbe(Probe):
@@ -66,7 +38,7 @@ class OptimizersProbe(Probe):
 
     def __init__(self) -> None:
         super().__init__()
-        #: Optimizer -> (key, device types, dtypes) of its parameters; see :func:`placement`.
+        #: Optimizer -> (key, device types, dtypes) of its parameters; see :meth:`placement`.
         self.placements: weakref.WeakKeyDictionary[Any, tuple[tuple, frozenset, frozenset]] = (
             weakref.WeakKeyDictionary()
         )
@@ -100,8 +72,32 @@ class OptimizersProbe(Probe):
         handle = register(on_step)
         patcher.callback(handle.remove, deferred=True)
 
+    def placement(self, optimizer: Any) -> tuple[frozenset, frozenset]:
+        """``({"cuda"}, {"float32"})``: device types and dtypes of the optimizer's parameters.
+
+        Cached per optimizer while its group count, its first group's size and
+        its first parameter's device and dtype stay the same (a module moved after
+        the optimizer was built keeps its Parameter objects, so the device is part
+        of the key).
+        """
+        groups = getattr(optimizer, "param_groups", None) or ()
+        first_group = groups[0].get("params") if groups else None
+        if first_group:
+            first = first_group[0]
+            key: tuple = (len(groups), len(first_group), first.device, first.dtype)
+        else:
+            key = (len(groups),)
+        cached = self.placements.get(optimizer)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        params = parameters(optimizer)
+        devices = frozenset(p.device.type for p in params)
+        dtypes = frozenset(str(p.dtype).replace("torch.", "") for p in params)
+        try:
+            self.placements[optimizer] = (key, devices, dtypes)
+        except TypeError:  # pragma: no cover - an optimizer that cannot be weakly referenced
+            pass
+        return devices, dtypes
+
     def stepped(self, optimizer: Any) -> None:
         core.notify("on_optimizer_step", optimizer)
-
-
-PROBE = OptimizersProbe()

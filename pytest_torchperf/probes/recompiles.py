@@ -27,7 +27,7 @@ from . import ModuleProbe
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["RecompilesProbe", "PROBE"]
+__all__ = ["RecompilesProbe"]
 
 _CONVERT_FRAME = "torch._dynamo.convert_frame"
 #: Names across torch versions (newest first).
@@ -135,6 +135,3 @@ class RecompilesProbe(ModuleProbe):
             return clear
 
         patcher.wrap(type(handler), "clear", wrap)
-
-
-PROBE = RecompilesProbe()

@@ -59,13 +59,12 @@ from ..core import FLAGS
 from ..frames import Located, locate
 from ..patching import SlotPatchUnsupported, wraps
 from . import Probe, compiling_parts
-from .tensors import PROBE as TENSORS
-from .tensors import _subclass_dispatch
+from .tensors import TensorsProbe, _subclass_dispatch
 
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["Op", "Sync", "UnsyncedRead", "SyncsProbe", "PROBE", "METHODS", "FUNCTIONS", "HOST", "WOULD"]
+__all__ = ["Op", "Sync", "UnsyncedRead", "SyncsProbe", "METHODS", "FUNCTIONS", "HOST", "WOULD"]
 
 
 @dataclass(frozen=True)
@@ -218,6 +217,11 @@ class SyncsProbe(Probe):
         self.current = None
         self.chain = None
 
+    @property
+    def tensors(self) -> TensorsProbe:
+        """The ``tensors`` probe this one needs (the engine's instance: :attr:`Probe.needed`)."""
+        return self.needed["tensors"]  # type: ignore[return-value]
+
     # -- events ----------------------------------------------------------------------------
     def send(self, event: Sync) -> list[Any]:
         """Send ``event`` to the checks in scope; returns what they returned (their confirmable records)."""
@@ -252,7 +256,8 @@ class SyncsProbe(Probe):
         patcher.callback(self.reset, deferred=True)
         self.thread = threading.get_ident()
         cuda_available = torch.cuda.is_available()
-        with patcher.reusing((self, cuda_available, TENSORS, TENSORS.compiling)):
+        tensors = self.tensors
+        with patcher.reusing((self, cuda_available, tensors, tensors.compiling)):
             self._install(patcher, torch, cuda_available)
 
     def _install(self, patcher: Patcher, torch: Any, cuda_available: bool) -> None:
@@ -260,11 +265,12 @@ class SyncsProbe(Probe):
 
         tensor_type = torch.Tensor
         flags = FLAGS
-        is_compiling = TENSORS.compiling
+        tensors = self.tensors
+        is_compiling = tensors.compiling
         getframe = caller_frame  # the wrapper's caller, past the engine's guard
         probe = self
         masks = (torch.bool, torch.uint8)
-        is_host_tensor = TENSORS.is_host_tensor
+        is_host_tensor = tensors.is_host_tensor
         dispatch = _subclass_dispatch(torch)
 
         def device_of(t: Any) -> Optional[str]:
@@ -341,7 +347,7 @@ class SyncsProbe(Probe):
                 return None
             pending = probe.pending and op.hint in _READS and probe._read_pending(op, this, frame)
             device = verdict(op.name, this, args, kwargs)
-            if device == WOULD and TENSORS.optimizer_counters(frame):  # a state built before the run
+            if device == WOULD and tensors.optimizer_counters(frame):  # a state built before the run
                 device = verdict(op.name, this, args, kwargs)
             if device is None:
                 return None
@@ -361,7 +367,7 @@ class SyncsProbe(Probe):
         def after(op: Op, this: Any, out: Any, located: Located) -> None:
             if op.name == "cpu":
                 if out is not this and isinstance(out, tensor_type):
-                    TENSORS.mark_host(out)
+                    tensors.mark_host(out)
                 try:
                     probe.chain = (weakref.ref(out), located.key)
                 except TypeError:  # pragma: no cover
@@ -401,7 +407,7 @@ class SyncsProbe(Probe):
 
             return wraps(original)(wrapper)
 
-        host_get = TENSORS.host.get
+        host_get = tensors.host.get
         pending = self.pending  # cleared in place, never replaced
         traced, session = compiling_parts()  # ``is_compiling()`` in one call: Adam reads 6 counters a step
 
@@ -512,7 +518,7 @@ class SyncsProbe(Probe):
                 if not is_compiling() and flags.in_scope:
                     try:
                         quiet = (
-                            threading.get_ident() == probe.thread and not TENSORS.moved_module(self) and _on_host(self)
+                            threading.get_ident() == probe.thread and not tensors.moved_module(self) and _on_host(self)
                         )
                     except Exception as exc:  # noqa: BLE001
                         probe.failed(exc)
@@ -606,7 +612,7 @@ class SyncsProbe(Probe):
         """On CUDA: count ``torch.cuda.synchronize()`` and listen to ``set_sync_debug_mode("warn")`` in steps."""
         probe = self
         cuda = torch.cuda
-        is_compiling = TENSORS.compiling
+        is_compiling = self.tensors.compiling
 
         def synchronize_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             def synchronize(*args: Any, **kwargs: Any) -> Any:
@@ -714,6 +720,3 @@ def _check_failed(handler: Callable[..., Any], exc: BaseException) -> None:
     for run in core.active_runs():
         if run.checks.get(name) is check:
             run.check_failed(name, exc)
-
-
-PROBE = SyncsProbe()

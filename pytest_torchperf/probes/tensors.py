@@ -90,7 +90,7 @@ _UNSET = object()
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["AsyncCopy", "Birth", "Move", "PROBE", "TensorsProbe", "FACTORIES", "CONVERSIONS", "DATA"]
+__all__ = ["AsyncCopy", "Birth", "Move", "TensorsProbe", "FACTORIES", "CONVERSIONS", "DATA"]
 
 #: Kept for the probes that import it from here.
 _subclass_dispatch = subclass_dispatch
@@ -652,6 +652,3 @@ class TensorsProbe(HostRegistry, Probe):
                     self.mark_host(step)
                     marked = True
         return marked
-
-
-PROBE = TensorsProbe()

@@ -17,7 +17,7 @@ from . import Probe
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["ThreadsProbe", "PROBE"]
+__all__ = ["ThreadsProbe"]
 
 
 class ThreadsProbe(Probe):
@@ -54,6 +54,3 @@ class ThreadsProbe(Probe):
             return set_num_threads
 
         patcher.wrap(torch, "set_num_threads", wrap)
-
-
-PROBE = ThreadsProbe()
