@@ -3,8 +3,8 @@
 On the op-bound steps of ``bench_step_checks.py`` the defaults' cost in time follows the number of
 bytecodes they add to a step, not their instruction count: between torch's kernels the interpreter's
 dispatch of each one runs cold (an indirect branch mispredicted, the instruction cache missed), 20-25 ns
-a bytecode on a 2-core virtual machine where the quiet SGD step takes 185 us (``docs/cost.md``, the ninth
-pass). The count is exact and the same from run to run: it shows a change of a few bytecodes a step that
+a bytecode on a 2-core virtual machine where the quiet SGD step takes 185 us (``docs/cost.md``, "A training
+step"). The count is exact and the same from run to run: it shows a change of a few bytecodes a step that
 no clock on a shared machine resolves.
 
 Every bytecode of every frame is counted (``sys.settrace``, opcode events) over ``--steps`` steps after

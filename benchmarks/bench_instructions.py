@@ -4,7 +4,7 @@ On a shared machine the same unwatched step moves by 10-20% from block to block,
 be read off a clock. Callgrind counts the instructions a block runs, the same from run to run to within a
 few thousand a step. Each count is a lower bound of the cost in time: the plugin's code meets the branch
 predictor and the instruction cache cold, so one of its instructions takes about three of torch's
-(``docs/cost.md``, the third pass).
+(callgrind's cache and branch simulation, 2026-12-02: ``CHANGELOG.md``; ``docs/cost.md``, "A training step").
 
 What is counted, in one process under ``valgrind --tool=callgrind`` (the cyclic collector off, so that a
 collection does not land in one block and not another):
