@@ -229,7 +229,11 @@ class CollectivesCheck(StepWindows, Check):
                 "how often"
             )
         title = f"{prefix}{site.label}: {frequency(site.calls.per_unit, site.calls.outside, steps)}, by {whose}"
-        return Finding(title, facts, [Site(site.label, site.stack, site.calls.count)], hint)
+        finding = Finding(title, facts, [Site(site.label, site.stack, site.calls.count)], hint)
+        if _frameworks_own(site) and frame is not None:  # beside a failure of yours: one line (-v shows it)
+            short = f"{frame.filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.lineno}"
+            finding.framework_note = (owner_label(frame), short, site.calls.count)
+        return finding
 
 
 def _frameworks_own(site: _Site) -> bool:
