@@ -103,6 +103,28 @@ def test_the_baseline_gets_one_entry_per_site_with_its_calls_per_step(group: Non
     assert clean.status == PASSED and clean.figures["baseline_counts"] == []
 
 
+def test_an_object_broadcast_is_sized_by_the_pickled_object_it_sends(group: None) -> None:
+    """``broadcast_object_list`` has no tensor argument: its size is what it sends (each object's size as an
+    8-byte integer, then its pickled bytes), counted once (its own two broadcasts are its)."""
+    import pickle
+
+    state = {"lr": 0.1, "epoch": 3, "path": "checkpoints/last.ckpt"}
+
+    def body() -> Any:
+        with watch(**OFF, max_collectives_per_step=0) as run:
+            for _ in range(6):
+                with step():
+                    dist.broadcast_object_list([state])  # OBJECTS
+        return run
+
+    check = report_of(body)["max_collectives_per_step"]
+    assert check.status == FAILED
+    (finding,) = check.findings
+    assert finding.title == "broadcast: 1 per step over 4 steps, by your code"
+    assert finding.facts == [f"{4 * (8 + len(pickle.dumps(state)))} B in all (broadcast)"]
+    assert finding.sites[0].frame.source == "dist.broadcast_object_list([state])  # OBJECTS"
+
+
 # -- no_constant_buffer_broadcast -----------------------------------------------------------------
 
 
@@ -180,3 +202,80 @@ def test_fsdp2_with_gradient_sync_off_until_the_last_micro_batch_passes(group: N
     check = fsdp_fit(quiet=True)["no_sync_accumulation"]
     assert check.status == PASSED
     assert check.summary == "at most 1 reduce-scatter per optimizer step over 3 steps (4 micro-batches each)"
+
+
+# -- a framework's own collectives ------------------------------------------------------------------
+
+LIGHTNING_FIT = '''
+import datetime
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+try:
+    import pytorch_lightning as pl
+except ImportError:  # pragma: no cover
+    import lightning.pytorch as pl
+
+
+class Logged(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("loss", loss, sync_dist=True, on_step=True, on_epoch=False)  # LOG
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.torchperf(max_collectives_per_step=2, count_warmup_steps=1)
+def test_fit(tmp_path):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, train_time_interval=datetime.timedelta(0))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy="ddp", max_epochs=1, logger=False, callbacks=[checkpoint],
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    trainer.fit(Logged(), DataLoader(data, batch_size=4))  # FIT
+'''
+
+
+def test_lightnings_own_broadcasts_are_its_notes_at_its_callback(pytester: pytest.Pytester) -> None:
+    """Lightning's ``ddp`` strategy in a group of one rank (it still calls ``broadcast_object_list``): its
+    ``ModelCheckpoint`` broadcasts are Lightning's notes at the callback's line, sized by what they send, with
+    ModelCheckpoint's setting; the all-reduce of ``self.log(..., sync_dist=True)`` stays the user's line."""
+    import json
+    import pickle
+
+    pytest.importorskip("pytorch_lightning")
+    pytester.makepyfile(test_fit=LIGHTNING_FIT)
+    result = pytester.runpytest_subprocess("--torchperf-json=out.json", "-p", "no:cacheprovider", "-W", "ignore")
+    doc = json.loads((pytester.path / "out.json").read_text())
+    check = doc["tests"][0]["runs"][0]["checks"]["max_collectives_per_step"]
+    # the budget counts the user's all-reduce and DDP's, not Lightning's own broadcasts
+    assert check["status"] == "passed", result.stdout.str()
+    findings = {f["title"]: f for f in check["findings"]}
+    every = findings["note: broadcast: 1 per step over 7 steps, by pytorch_lightning, not your code"]
+    site = every["sites"][0]
+    assert site["site"].startswith("pytorch_lightning/callbacks/model_checkpoint.py:"), site
+    assert site["function"] == "on_train_batch_end"
+    assert site["source"] == "skip_time = trainer.strategy.broadcast(skip_time)"
+    # each of the 7 broadcasts sends rank 0's pickled bool after its size (an 8-byte integer)
+    assert every["facts"][0] == f"{7 * (len(pickle.dumps(True)) + 8)} B in all (broadcast)"
+    assert "not counted in max_collectives_per_step" in every["facts"][1]
+    assert "every_n_train_steps" in every["hint"] and "enable_checkpointing=False" in every["hint"]
+    setup = [f for t, f in findings.items() if t.startswith("note: broadcast: 1 time outside training steps")]
+    assert any("model_checkpoint.py" in f["sites"][0]["site"] for f in setup), setup
+    assert not any(f["sites"][0]["site"].startswith("test_fit.py") for f in setup + [every])
+    logged = [f for t, f in findings.items() if t.startswith("all_reduce: ")]
+    assert [f["title"] for f in logged] == ["all_reduce: 1 per step over 7 steps, by your code"]
+    source = (pytester.path / "test_fit.py").read_text().splitlines()
+    log_line = next(i for i, text in enumerate(source, 1) if "# LOG" in text)
+    assert logged[0]["sites"][0]["site"] == f"test_fit.py:{log_line}"

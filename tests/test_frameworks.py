@@ -418,7 +418,7 @@ def test_every_adapter_declares_the_protocol_and_lightning_alone_provides_replay
     for name in frameworks.ADAPTERS:
         module = frameworks.adapter(name)
         assert module.NAME == name
-        for member in ("PACKAGES", "SETTINGS", "install", "hint", "stage", "replay", "launchers"):
+        for member in ("PACKAGES", "PLUMBING", "SETTINGS", "install", "hint", "stage", "replay", "launchers"):
             assert hasattr(module, member), f"adapter {name} lacks {member}"
     providers = {n for n in frameworks.ADAPTERS if frameworks.adapter(n).replay is not None}
     assert providers == {"lightning"}

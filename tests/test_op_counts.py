@@ -8,6 +8,7 @@ Lightning fit (its train batches are the steps), and pytest sessions with
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +264,80 @@ def test_a_cuda_run_counts_the_kernel_launches_of_a_step() -> None:
         entries = {(e["function"], e["source"]) for e in check.figures["baseline_counts"]}
         assert ("kernel launches", "cuda") in entries
     assert results[False] > results[True] > 0  # one launch per parameter and op, against one per op
+
+
+BLOCKS_TEST = '''
+import pytest
+import torch
+
+ACTIVATIONS = {activations}
+
+
+class Blocks(torch.nn.Module):
+    """Linear + SiLU blocks applied in sequence: each block's output is the next one's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            for _ in range(ACTIVATIONS):
+                x = torch.nn.functional.silu(x)  # SILU
+        return x
+
+
+def train(run, budget):
+    torch.manual_seed(0)
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    for _ in range(4):
+        with run.step():
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_baseline(torchperf):
+    with torchperf.watch(max_ops_per_step="baseline", no_host_sync=False) as run:
+        train(run, None)
+
+
+def test_budget(torchperf):
+    with torchperf.watch(max_ops_per_step=40, no_host_sync=False) as run:
+        train(run, 40)
+'''
+
+
+def test_the_headline_names_the_ops_that_grew_and_no_batching_for_sequential_blocks(pytester: pytest.Pytester) -> None:
+    """A SiLU more per block (AdamW's per-parameter step-counter reads, ``_local_scalar_dense``, the most frequent
+    op, unchanged): the baseline's headline and the check's findings lead with the ops that grew, and the SiLU
+    line, run once per block in sequence, gets no advice to batch its calls; a budget names no op as the cause."""
+    pytester.makepyfile(test_blocks=BLOCKS_TEST.format(activations=1))
+    made = pytester.runpytest("--torchperf-baseline=perf.json", "--torchperf-baseline-update", "-k", "baseline")
+    made.assert_outcomes(passed=1)
+    pytester.makepyfile(test_blocks=BLOCKS_TEST.format(activations=2))
+    result = pytester.runpytest("--torchperf-baseline=perf.json", "--torchperf-json=out.json", "-p", "no:randomly")
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    doc = json.loads((pytester.path / "out.json").read_text())
+    tests = {t["nodeid"].split("::")[-1]: t["runs"][0]["checks"]["max_ops_per_step"] for t in doc["tests"]}
+    figures = tests["test_baseline"]["figures"]["ops"]
+    assert figures["cpu:aten::_local_scalar_dense"] > figures["cpu:aten::silu"]  # the most frequent did not change
+    titles = [f["title"] for f in tests["test_baseline"]["findings"]]
+    assert titles == [
+        "aten::silu: 8 per step on cpu (baseline: 4 per step)",
+        "aten::silu_backward: 8 per step on cpu (baseline: 4 per step)",
+    ], titles
+    assert "torchperf: 2 findings not in the baseline: max_ops_per_step at aten::silu on cpu (8 per step" in out
+    silu = tests["test_baseline"]["findings"][0]
+    assert "times a step" in silu["hint"] and "nothing to batch" in silu["hint"]
+    assert "once per tensor in a Python loop" not in out
+    budget = tests["test_budget"]
+    assert re.match(r"\d+ ATen ops in one step, max_ops_per_step=40 \(", budget["summary"]), budget["summary"]
+    assert "aten::" not in budget["summary"] and "most" not in budget["summary"]
+    budget_titles = [f["title"] for f in budget["findings"]]
+    # no fix is known for any op: the most frequent are listed first, the SiLU not promoted by a batching hint
+    counts = [float(t.split(": ", 1)[1].split(" per step")[0]) for t in budget_titles]
+    assert counts == sorted(counts, reverse=True) and not budget_titles[0].startswith("aten::silu"), budget_titles

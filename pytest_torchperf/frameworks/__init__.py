@@ -23,6 +23,9 @@ patches is undone with that patcher. It tells:
 - ``hint(frame, op) -> str``: the setting that removes the framework's own sync
   (or copy) made at ``frame`` (a :class:`~pytest_torchperf.stacks.Frame`;
   ``op``: the kind of operation, ``"value"``, ``"branch"``...), or ``""``;
+- ``PLUMBING``: the framework's modules that only pass a call on to torch (Lightning's strategies and
+  their ``broadcast`` / ``reduce``): an event inside them is their caller's (the callback that asked for
+  the broadcast), see :func:`plumbing`;
 - ``SETTINGS``: invariant name -> the framework's own setting that fixes what
   that invariant found in an object *the framework built* (the Hugging Face
   Trainer's DataLoader or DDP wrapper: ``TrainingArguments(...)``, not the
@@ -80,6 +83,7 @@ __all__ = [
     "install",
     "launch_spec",
     "launchers",
+    "plumbing",
     "setting",
     "stage",
     "unobserved",
@@ -138,6 +142,7 @@ class Adapter(Protocol):
 
     NAME: str
     PACKAGES: tuple[str, ...]
+    PLUMBING: tuple[str, ...]
     SETTINGS: Mapping[str, str]
     stage: Optional[Callable[[FrameworkCall], Optional[Stage]]]
     replay: Optional[Replay]
@@ -179,6 +184,16 @@ def hint(frame: Any, op: str) -> str:
         if text:
             return str(text)
     return ""
+
+
+def plumbing(module_name: str) -> bool:
+    """``module_name`` is a framework module that only passes a call on to torch (an adapter's ``PLUMBING``):
+    what happens inside it is its caller's doing."""
+    for module in _loaded():
+        for name in module.PLUMBING:
+            if module_name == name or module_name.startswith(name + "."):
+                return True
+    return False
 
 
 def _adapter_of(filename: str) -> Optional[str]:

@@ -21,10 +21,12 @@ from typing import Any
 
 from ..patching import Patcher
 
-__all__ = ["NAME", "PACKAGES", "SETTINGS", "hint", "install", "launchers", "replay", "stage"]
+__all__ = ["NAME", "PACKAGES", "PLUMBING", "SETTINGS", "hint", "install", "launchers", "replay", "stage"]
 
 NAME = "accelerate"
 PACKAGES = ("accelerate",)
+#: Modules that only pass a call on to torch (see :func:`~pytest_torchperf.frameworks.plumbing`): none known.
+PLUMBING: tuple[str, ...] = ()
 #: Settings that fix what an invariant found in an object accelerate built
 #: (see :func:`~pytest_torchperf.frameworks.setting`).
 SETTINGS = {

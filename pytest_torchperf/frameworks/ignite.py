@@ -24,10 +24,12 @@ from .. import core
 from ..patching import Patcher, wraps
 from . import _calls
 
-__all__ = ["NAME", "PACKAGES", "SETTINGS", "hint", "install", "launchers", "replay", "stage"]
+__all__ = ["NAME", "PACKAGES", "PLUMBING", "SETTINGS", "hint", "install", "launchers", "replay", "stage"]
 
 NAME = "ignite"
 PACKAGES = ("ignite",)
+#: Modules that only pass a call on to torch (see :func:`~pytest_torchperf.frameworks.plumbing`): none known.
+PLUMBING: tuple[str, ...] = ()
 #: Settings that fix what an invariant found in an object ignite built: none (it builds no loader or DDP).
 SETTINGS: dict[str, str] = {}
 #: Capabilities this framework does not provide (see :class:`pytest_torchperf.frameworks.Adapter`).

@@ -46,6 +46,7 @@ from ._calls import FrameworkCall, Observed
 __all__ = [
     "NAME",
     "PACKAGES",
+    "PLUMBING",
     "SETTINGS",
     "ObservedCall",
     "hint",
@@ -62,6 +63,18 @@ __all__ = [
 NAME = "lightning"
 #: Lightning's packages (torchmetrics is a library the user calls: judged at the user's calling line).
 PACKAGES = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities")
+#: Lightning's strategies and distributed helpers pass a callback's or a loop's ``broadcast`` / ``reduce`` on to
+#: torch: a collective made inside them is their caller's (see :func:`~pytest_torchperf.frameworks.plumbing`).
+PLUMBING = (
+    "pytorch_lightning.strategies",
+    "lightning.pytorch.strategies",
+    "lightning_fabric.strategies",
+    "lightning.fabric.strategies",
+    "lightning_fabric.utilities.distributed",
+    "lightning.fabric.utilities.distributed",
+    "pytorch_lightning.utilities.distributed",
+    "lightning.pytorch.utilities.distributed",
+)
 #: Settings that fix what an invariant found in an object Lightning built (see
 #: :func:`~pytest_torchperf.frameworks.setting`): Lightning re-creates the user's DataLoader (a distributed
 #: sampler) with the user's own arguments. (The DDP it builds is named by its strategy, which the run's
@@ -321,10 +334,43 @@ def install(patcher: Patcher) -> None:
         patcher.on_import(module_name, attach)
 
 
+#: (callback file, its function) -> what Lightning's own collective there is for, and the setting that changes it.
+_COLLECTIVE_HINTS = {
+    ("model_checkpoint.py", "on_train_batch_end"): (
+        "ModelCheckpoint(train_time_interval=...) broadcasts rank 0's clock decision after every training batch: "
+        "checkpoint by steps (every_n_train_steps=N) or at epoch ends (every_n_epochs, save_on_train_epoch_end) "
+        "instead, or Trainer(enable_checkpointing=False) where this fit needs no checkpoint"
+    ),
+    ("model_checkpoint.py", "setup"): (
+        "ModelCheckpoint broadcasts its directory from rank 0 once, in setup: nothing per step; "
+        "Trainer(enable_checkpointing=False) drops it with the checkpoints"
+    ),
+    ("model_checkpoint.py", "*"): (
+        "ModelCheckpoint makes the ranks agree (a broadcast or reduce_boolean_decision) each time it considers "
+        "saving: save less often (every_n_train_steps, every_n_epochs, save_on_train_epoch_end, save_top_k), or "
+        "Trainer(enable_checkpointing=False) where this fit needs no checkpoint"
+    ),
+    ("timer.py", "*"): (
+        "Timer broadcasts rank 0's stop decision each time it checks: Timer(duration=..., interval='epoch') "
+        "checks once per epoch instead of every step"
+    ),
+    ("early_stopping.py", "*"): (
+        "EarlyStopping reduces its stop decision over the ranks each time it checks: check_on_train_epoch_end "
+        "and the validation interval set how often"
+    ),
+}
+
+
 def hint(frame: Any, op: str) -> str:
-    """Lightning's own syncs are notes without a setting to name (its logged values are read where the user
-    logs them)."""
-    return ""
+    """The Lightning setting behind one of its own collectives (``op`` ``"collective"``) made at ``frame``; its
+    own syncs are notes without a setting to name (its logged values are read where the user logs them)."""
+    if op != "collective":
+        return ""
+    path = str(frame.filename).replace("\\", "/")
+    if "/callbacks/" not in path:
+        return ""
+    name = path.rsplit("/", 1)[-1]
+    return _COLLECTIVE_HINTS.get((name, frame.function)) or _COLLECTIVE_HINTS.get((name, "*"), "")
 
 
 class _Replay:

@@ -30,10 +30,12 @@ from .. import core
 from ..patching import Patcher, wraps
 from . import _calls
 
-__all__ = ["NAME", "PACKAGES", "SETTINGS", "hint", "install", "launchers", "replay", "stage"]
+__all__ = ["NAME", "PACKAGES", "PLUMBING", "SETTINGS", "hint", "install", "launchers", "replay", "stage"]
 
 NAME = "transformers"
 PACKAGES = ("transformers",)
+#: Modules that only pass a call on to torch (see :func:`~pytest_torchperf.frameworks.plumbing`): none known.
+PLUMBING: tuple[str, ...] = ()
 #: Settings that fix what an invariant found in an object the Trainer built (its DataLoaders and, through
 #: accelerate, its DistributedDataParallel wrapper): the TrainingArguments that the user controls.
 SETTINGS = {

@@ -46,7 +46,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..report import FAILED, InvariantViolation, Report
+from ..report import FAILED, Finding, InvariantViolation, Report
 
 __all__ = [
     "SCHEMA",
@@ -311,6 +311,15 @@ class Match:
         return f"known: {obs.describe()} (baseline: {entry.figure()}{moved})"
 
     @property
+    def growth(self) -> float:
+        """How much a counted figure grew against the baseline (a new one: all of it); 0 when not counted."""
+        obs, entry = self.observation, self.entry
+        if obs.per_step is None:
+            return 0.0
+        before = entry.per_step if entry is not None and entry.per_step is not None else 0.0
+        return obs.per_step - before
+
+    @property
     def lower(self) -> bool:
         """Matched, with a figure below the baseline's: the update would lower the entry."""
         obs, entry = self.observation, self.entry
@@ -334,7 +343,42 @@ class Comparison:
 
     @property
     def failing(self) -> list[Match]:
-        return [m for m in self.matches if m.status != "known"]
+        """What the baseline does not know; a counted invariant's (an op's count) by how much each grew, the
+        largest first, so that the headline leads with what changed (not with the most frequent op)."""
+        failing = [m for m in self.matches if m.status != "known"]
+        first: dict[str, int] = {}
+        for i, m in enumerate(failing):
+            first.setdefault(m.observation.invariant, i)
+        return sorted(failing, key=lambda m: (first[m.observation.invariant], -m.growth))
+
+    def rank_findings(self, report: Report) -> None:
+        """Rank the findings of ``report``'s counted checks (``max_ops_per_step``'s ops) by what changed against
+        the baseline: those whose count grew or is new, the largest growth first, each title saying the
+        baseline's figure; those the baseline knows at their count are left out (the baseline's lines list
+        them as known)."""
+        changed: dict[tuple[str, str, str], Match] = {}
+        for m in self.failing:
+            obs = m.observation
+            if obs.counted:
+                changed.setdefault((obs.invariant, obs.function, obs.source), m)
+        for name, check in report.checks.items():
+            if not isinstance(check.figures.get(COUNTED_FIGURE), list):
+                continue
+            ranked: list[tuple[float, int, Finding]] = []
+            for i, finding in enumerate(check.findings):
+                title = finding.title
+                match = next(
+                    (m for (inv, op, device), m in changed.items()
+                     if inv == name and title.startswith(f"{op}: ") and title.endswith(f" on {device}")),
+                    None,
+                )
+                if match is None:
+                    continue
+                entry = match.entry
+                finding.title += f" (baseline: {entry.figure()})" if entry is not None else " (not in the baseline)"
+                ranked.append((-match.growth, i, finding))
+            if ranked:
+                check.findings = [f for _, _, f in sorted(ranked, key=lambda t: (t[0], t[1]))]
 
     @property
     def known(self) -> list[Match]:

@@ -216,6 +216,7 @@ def _verdict(item: pytest.Item, report: Optional[Report]) -> None:
         comparison = adoption.judge(item.config, item.nodeid, report)
         if comparison is not None:
             if comparison.failing:
+                comparison.rank_findings(report)  # what changed first, not the most frequent
                 raise baseline.KnownFindingsViolation(report, comparison)
             fail = False  # every finding is one the baseline knows
     try:

@@ -10,9 +10,12 @@ Counted in each rank (the launching run's checks run in every rank,
 :mod:`pytest_torchperf.ranks`), over the same steps as ``max_ops_per_step``
 (a Lightning train batch, a ``with run.step():`` block; the first
 ``count_warmup_steps`` not counted): ``all_reduce``, ``broadcast``,
-``all_gather`` and ``reduce_scatter`` calls with their bytes, each at its
-site, the line of your code that made it or the framework's (a call made by
-Lightning for your ``self.log`` line is at your line). DDP's gradient
+``all_gather`` and ``reduce_scatter`` calls with their bytes (an object
+collective's: what its own collectives sent), each at its site, the line of
+your code that made it or the framework's (a call made by Lightning for your
+``self.log`` line is at your line; one it makes on its own while your
+``trainer.fit`` runs, a ``ModelCheckpoint`` broadcast, is at its callback's
+line, a note not counted against the budget). DDP's gradient
 all-reduce is one call per backward (its reducer's round, however many
 buckets), its buffer broadcast one call per forward. A site that calls on a
 period (every 10th step or rarer), once per epoch or only outside steps is a
@@ -28,11 +31,12 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
+from .. import frameworks
 from ..core import Check
-from ..frames import StackCache, kind_of, locate
+from ..frames import StackCache, kind_of, locate, owner_label
 from ..registry import Invariant
 from ..report import FAILED, NOT_CHECKED, PASSED, CheckResult, Finding, Site
-from ..stacks import USER, Stack, site_of, until_user_frame
+from ..stacks import FRAMEWORK, USER, Stack, site_of, until_user_frame
 from ..text import plural
 from ._counts import BASELINE, CountOrBaseline, StepWindows, counted_entry, per_step
 from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, frequency
@@ -85,18 +89,30 @@ class CollectivesCheck(StepWindows, Check):
             return  # a warm-up step
         site = self.sites.get(key)
         if site is None:
-            site = self.sites[key] = _Site(kind, label, until_user_frame(stack_of()))
+            site = self.sites[key] = _Site(kind, label, stack_of())
         site.calls.add(self.step)
         site.bytes += nbytes
 
     def _site_key(self, what: str, frame: Any) -> tuple[Any, Any]:
         """``(key, stack factory)`` of the event whose innermost frame is ``frame``: cheap (a few ``f_back``
-        hops); the stack is captured the first time a site is seen. A framework line acting for several
-        callers (Lightning's ``_sync_ddp``) is one site per line of yours."""
+        hops); the stack is captured the first time a site is seen. A framework line acting for a line of
+        yours (Lightning's ``_sync_ddp`` for your ``self.log(..., sync_dist=True)``) is one site per line of
+        yours, cut there; the framework's own collective (a callback's broadcast while your ``trainer.fit``
+        runs) is its own line's, past the framework's plumbing (its strategy's ``broadcast``)."""
         located = locate(frame)
-        user = _innermost_user(located.frame) if located.kind != USER else None
-        key = (what, located.key, (user.f_code, user.f_lineno) if user is not None else None)
-        return key, lambda: self._stacks.get(key, located.frame)
+        site = located.frame
+        user = None
+        if located.kind != USER:
+            site = _past_plumbing(site)
+            user = _acting_for(site)
+        where = (site.f_code, site.f_lineno) if site is not None else None
+        key = (what, where, (user.f_code, user.f_lineno) if user is not None else None)
+
+        def stack() -> Stack:
+            captured = self._stacks.get(key, site)
+            return until_user_frame(captured) if user is not None or located.kind == USER else captured
+
+        return key, stack
 
     def on_collective(self, kind: str, nbytes: int, frame: Any) -> None:
         key, stack = self._site_key(kind, frame)
@@ -138,7 +154,11 @@ class CollectivesCheck(StepWindows, Check):
             return CheckResult(NAME, NOT_CHECKED, why, 0, [], figures)
         failing: list[_Site] = []
         noted: list[tuple[_Site, str]] = []
+        framework: list[_Site] = []
         for site in self.sites.values():
+            if _frameworks_own(site):
+                framework.append(site)
+                continue
             how = cadence(site.calls, steps, DEFAULT_RATE) if site.calls.per_unit else "only outside training steps"
             if how is None:
                 failing.append(site)
@@ -162,6 +182,7 @@ class CollectivesCheck(StepWindows, Check):
         })
         findings = [self._finding(s, steps, "") for s in failing]
         findings += [self._finding(s, steps, f"note: {cadence_text(how, s.calls, steps)}: ") for s, how in noted]
+        findings += [self._finding(s, steps, "note: ") for s in framework]
         if self.budget == BASELINE:
             entries = []
             for site in failing:
@@ -195,20 +216,60 @@ class CollectivesCheck(StepWindows, Check):
     def _finding(self, site: _Site, steps: int, prefix: str) -> Finding:
         frame = site_of(site.stack)
         whose = "your code" if frame is not None and frame.is_user else "the framework"
+        facts = [f"{_bytes(site.bytes)} in all ({site.kind})"]
+        hint = _hint(site, frame)
         if site.label in (DDP_GRADIENTS, DDP_BUFFERS):
             whose = "DDP"
+        elif _frameworks_own(site):
+            owner = owner_label(frame) if frame is not None else "torch"
+            whose = f"{owner}, not your code"
+            facts.append(f"made by {owner} on its own, not by your code: a note, not counted in {NAME}")
+            hint = frameworks.hint(frame, "collective") or (
+                f"a collective {owner} makes on its own (not one your code asked for): its own settings decide "
+                "how often"
+            )
         title = f"{prefix}{site.label}: {frequency(site.calls.per_unit, site.calls.outside, steps)}, by {whose}"
-        facts = [f"{_bytes(site.bytes)} in all ({site.kind})"]
-        return Finding(title, facts, [Site(site.label, site.stack, site.calls.count)], _hint(site, frame))
+        finding = Finding(title, facts, [Site(site.label, site.stack, site.calls.count)], hint)
+        if _frameworks_own(site) and frame is not None:  # beside a failure of yours: one line (-v shows it)
+            short = f"{frame.filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.lineno}"
+            finding.framework_note = (owner_label(frame), short, site.calls.count)
+        return finding
 
 
-def _innermost_user(frame: Any) -> Any:
-    """The innermost frame of your code from ``frame`` outwards (None: none)."""
+def _frameworks_own(site: _Site) -> bool:
+    """The site is a framework's own collective (a Lightning callback's broadcast), not one of yours or DDP's."""
+    if site.label in (DDP_GRADIENTS, DDP_BUFFERS):
+        return False
+    frame = site_of(site.stack)
+    return frame is None or not frame.is_user
+
+
+def _past_plumbing(frame: Any) -> Any:
+    """``frame``, or its first caller outside a framework's plumbing (its strategy's ``broadcast``)."""
     f = frame
-    while f is not None:
-        if kind_of(f.f_code) == USER:
-            return f
+    while f is not None and kind_of(f.f_code) == FRAMEWORK and frameworks.plumbing(str(f.f_globals.get("__name__"))):
         f = f.f_back
+    return f if f is not None else frame
+
+
+def _acting_for(frame: Any) -> Any:
+    """The line of your code a framework's collective at ``frame`` was made for, or None: the framework's own.
+
+    That is the innermost frame of your code outwards from ``frame`` when the framework called it back (a
+    ``training_step`` or a callback of yours, calling ``self.log``), or when no framework's training call is in
+    flight (your loop calling a framework's helper). The line that called the framework's training call
+    (``trainer.fit(...)``) asked for none of the collectives the framework makes on its own.
+    """
+    f = frame
+    while f is not None and kind_of(f.f_code) != USER:
+        f = f.f_back
+    if f is None or frameworks.current_call() is None:
+        return f
+    outer = f.f_back
+    while outer is not None:
+        if kind_of(outer.f_code) == FRAMEWORK:
+            return f
+        outer = outer.f_back
     return None
 
 

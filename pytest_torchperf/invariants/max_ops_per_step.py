@@ -136,7 +136,7 @@ class OpsCheck(StepWindows, Check):
             item = out.setdefault(key, {"count": 0, "sites": {}})
             item["count"] += n
         if self.sample is not None:
-            for (func, _), (calls, stack, optim) in self.sample.sites.items():
+            for (func, _), (calls, stack, optim, targets) in self.sample.sites.items():
                 known = names.get(func)
                 if known is None:
                     continue
@@ -145,8 +145,10 @@ class OpsCheck(StepWindows, Check):
                 where = (frame.filename, frame.lineno) if frame is not None else None
                 if where in sites:
                     sites[where][0] += calls
+                    if sites[where][3] is not None and targets is not None:
+                        sites[where][3] = sites[where][3] | targets
                 else:
-                    sites[where] = [calls, stack, optim]
+                    sites[where] = [calls, stack, optim, set(targets) if targets is not None else None]
         return out
 
     def result(self) -> CheckResult:
@@ -203,22 +205,29 @@ class OpsCheck(StepWindows, Check):
                 f"{_number(mean)} ATen ops per step ({len(ops)} distinct) {over}: the counts per op are "
                 "compared with the baseline file (--torchperf-baseline; write it with --torchperf-baseline-update)"
             )
-            return CheckResult(NAME, FAILED, summary, int(round(mean)), shown, figures)
+            # Every op's finding: the baseline ranks them by what changed (glue.baseline's rank_findings).
+            every = [f for f, _ in sorted(
+                ((self._finding(k, v, steps), _known_fix(k[0], v)) for k, v in ranked), key=lambda fx: not fx[1],
+            )]
+            return CheckResult(NAME, FAILED, summary, int(round(mean)), every, figures)
         if worst <= self.budget:
             return CheckResult(
                 NAME, PASSED, f"at most {worst} ATen ops per step {over} (max_ops_per_step={self.budget})",
                 0, [], figures,
             )
+        # A budget holds no count per op: which op grew is not known here, and the most frequent op (an
+        # optimizer's step counter, the model's matmuls) is rarely the one that did. The findings list the ops
+        # with a known fix first; the baseline names the ops whose count grew.
         summary = (
             f"{worst} ATen ops in one step, max_ops_per_step={self.budget} ({_number(mean)} per step {over}; "
-            f"most: {ranked[0][0][0]}, {_number(per_step(ranked[0][1]['count'], steps))} per step)"
+            f"{worst - self.budget} over the budget: max_ops_per_step='baseline' names the ops whose count grew)"
         )
         return CheckResult(NAME, FAILED, summary, worst - self.budget, shown, figures)
 
     def _shown(self, ranked: list[tuple[tuple[str, str], dict[str, Any]]], steps: int) -> list[Finding]:
         """The ops a report lists: those with a known fix first, then the most frequent."""
-        findings = [self._finding(k, v, steps) for k, v in ranked]
-        return ([f for f in findings if f.hint] + [f for f in findings if not f.hint])[:SHOWN]
+        findings = [(self._finding(k, v, steps), _known_fix(k[0], v)) for k, v in ranked]
+        return ([f for f, fix in findings if fix] + [f for f, fix in findings if not fix])[:SHOWN]
 
     @staticmethod
     def _top_site(name: str, item: dict[str, Any]) -> Optional[list[Any]]:
@@ -239,7 +248,8 @@ class OpsCheck(StepWindows, Check):
         each = per_step(item["count"], steps)
         ranked = sorted(item["sites"].values(), key=lambda s: -s[0])
         sites = [
-            Site(f"{name} ({plural(calls, 'call')} in the sample step)", stack, calls) for calls, stack, _ in ranked[:3]
+            Site(f"{name} ({plural(calls, 'call')} in the sample step)", stack, calls)
+            for calls, stack, *_ in ranked[:3]
         ]
         facts = []
         if len(ranked) > 3:
@@ -247,27 +257,48 @@ class OpsCheck(StepWindows, Check):
         return Finding(f"{name}: {_number(each)} per step on {device}", facts, sites, hint_for(name, ranked))
 
 
+def _known_fix(name: str, item: dict[str, Any]) -> bool:
+    """The op's hint is a fix (not only what was counted): its finding is listed first."""
+    return bool(_hint(name, sorted(item["sites"].values(), key=lambda s: -s[0]))[1])
+
+
 def hint_for(name: str, sites: list[list[Any]]) -> str:
-    """The fix for an op count's known causes (a per-parameter optimizer, a Python loop over tensors)."""
+    """The fix for an op count's known causes (a per-parameter optimizer, a Python loop over tensors), or what
+    was counted where the cause is not known."""
+    return _hint(name, sites)[0]
+
+
+def _hint(name: str, sites: list[list[Any]]) -> tuple[str, bool]:
+    """``(hint, whether it is a fix)``."""
     if "_foreach_" in name or "_fused_" in name:
-        return ""
+        return "", False
     bare = name.split("::", 1)[-1]
-    for calls, stack, in_optim in sites:
+    for calls, stack, in_optim, targets in sites:
         if in_optim and name in _OPTIMIZER_OPS:
             return (
                 "the optimizer runs one op per parameter: build it with foreach=True (or fused=True, one kernel "
                 "for the whole update), e.g. torch.optim.AdamW(params, foreach=True)"
-            )
+            ), True
         frame = site_of(stack)
         if calls >= LOOP_CALLS and frame is not None and frame.is_user and _calls(bare, frame.source):
+            if targets is not None and len(targets) >= calls:
+                # in place, a different tensor each call: a loop over independent tensors (parameters, a list)
+                return (
+                    f"{frame.location()} runs {bare} once per tensor in a Python loop: one torch._foreach_{bare} "
+                    "call over the lists does the same in one op (an EMA: torch._foreach_lerp_(ema_params, params, "
+                    "1 - decay))" if bare.rstrip("_") in _FOREACH else
+                    f"{frame.location()} runs {bare} once per tensor in a Python loop: batch the tensors "
+                    "(torch.stack / torch.cat, or a torch._foreach_* op) into one call"
+                ), True
+            # Whether those calls take independent tensors is not known (a block's output feeding the next one's
+            # input cannot be batched): say what was counted, not a fix.
             return (
-                f"{frame.location()} runs {bare} once per tensor in a Python loop: one torch._foreach_{bare} call "
-                f"over the lists does the same in one op (an EMA: torch._foreach_lerp_(ema_params, params, 1 - decay))"
-                if bare.rstrip("_") in _FOREACH else
-                f"{frame.location()} runs {bare} once per tensor in a Python loop: batch the tensors "
-                "(torch.stack / torch.cat, or a torch._foreach_* op) into one call"
-            )
-    return ""
+                f"{frame.location()} runs {bare} {calls} times a step: where those calls take independent tensors "
+                f"(a loop over parameters or a list), one batched call (torch.stack / torch.cat, a torch._foreach_* "
+                "op) does the same; where each call feeds the next (layers applied in sequence), there is nothing to "
+                "batch"
+            ), False
+    return "", False
 
 
 def _calls(bare: str, source: str) -> bool:

@@ -7,7 +7,9 @@ Patched while a run needs it, all undone with the probe:
   ``all_gather_single``, ``all_gather_object``), ``reduce_scatter`` (and ``reduce_scatter_tensor``,
   ``reduce_scatter_single``), ``all_reduce_coalesced``, ``broadcast_object_list``: each call sends
   ``on_collective(kind, nbytes, frame)``; a collective called inside another (``all_gather_object``
-  runs ``all_gather``) is the outer one's, counted once;
+  runs ``all_gather``) is the outer one's, counted once, and its tensors' bytes are the outer one's:
+  an object collective (``broadcast_object_list``, ``all_gather_object``) has no tensor argument, its
+  size is what its own collectives carried (the pickled objects' sizes and bytes), sent once it returns;
 - ``DistributedDataParallel._sync_buffers``: ``on_ddp_buffers(ddp)`` before DDP broadcasts its module
   buffers from rank 0 (a forward with ``broadcast_buffers=True``; the broadcast itself is C++);
 - FSDP2's own all-gathers and reduce-scatters are ``torch.distributed`` calls: counted as the others (its
@@ -92,8 +94,14 @@ class CollectivesProbe(Probe):
                 def collective(*args: Any, **kwargs: Any) -> Any:
                     __tracebackhide__ = True
                     # is_compiling() first: dynamo folds it, and its graph then guards on nothing of ours.
-                    if is_compiling() or not flags.active or getattr(local, "depth", False) or probe.disabled:
+                    if is_compiling() or not flags.active or probe.disabled:
                         return original(*args, **kwargs)
+                    if getattr(local, "depth", False):  # inside another collective: its bytes are the outer one's
+                        if 0 <= position < len(args):
+                            local.sent = getattr(local, "sent", 0) + tensor_bytes(args[position])
+                        return original(*args, **kwargs)
+                    if position < 0:  # an object collective: what it sends is known once its own collectives ran
+                        return objects(original, args, kwargs)
                     try:
                         data = args[position] if 0 <= position < len(args) else None
                         notify("on_collective", kind, tensor_bytes(data), caller_frame())
@@ -104,6 +112,21 @@ class CollectivesProbe(Probe):
                         return original(*args, **kwargs)
                     finally:
                         local.depth = 0
+
+                def objects(original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+                    __tracebackhide__ = True
+                    frame = caller_frame(2)
+                    local.depth = 1
+                    local.sent = 0
+                    try:
+                        result = original(*args, **kwargs)
+                    finally:
+                        local.depth = 0
+                    try:  # the pickled objects' sizes and bytes, as the tensors it sent or received carry them
+                        notify("on_collective", kind, local.sent, frame)
+                    except Exception as exc:  # noqa: BLE001 - never into the user's code
+                        probe.failed(exc)
+                    return result
 
                 return collective
 

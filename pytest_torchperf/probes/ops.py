@@ -69,8 +69,12 @@ class Sample:
     """What the sample step located: per (op, site key) the calls, the stack and a device."""
 
     def __init__(self) -> None:
-        #: (id(op), site key) -> [calls, stack, whether a torch optimizer issued it]
+        #: (id(op), site key) -> [calls, stack, whether a torch optimizer issued it, the ids of the tensors an
+        #: in-place op wrote (None: not an in-place op)]: an in-place op that wrote a different tensor on each
+        #: call (an EMA's ``e.lerp_(p, w)`` over its lists) ran on independent tensors, one call per tensor
         self.sites: dict[Any, list[Any]] = {}
+        #: id(op) -> whether it writes its first argument in place (``aten::lerp_``)
+        self.inplace: dict[Any, bool] = {}
         #: id(op) -> device type of its first tensor argument ("" when it had none)
         self.devices: dict[Any, str] = {}
         self.stacks = StackCache()
@@ -226,6 +230,10 @@ def _locate(sample: Sample, func: Any, args: Any, frame: Any) -> None:
     located = locate(frame)
     key = (id(func), located.key)
     site = sample.sites.get(key)
+    inplace = sample.inplace.get(id(func))
+    if inplace is None:
+        name = op_name(func)
+        inplace = sample.inplace[id(func)] = name.endswith("_") and "::_foreach_" not in name
     if site is None:
         optim = False
         f = frame
@@ -234,8 +242,9 @@ def _locate(sample: Sample, func: Any, args: Any, frame: Any) -> None:
                 optim = True
                 break
             f = f.f_back
-        sample.sites[key] = [1, sample.stacks.get(located.key, located.frame), optim]
-    else:
-        site[0] += 1
+        site = sample.sites[key] = [0, sample.stacks.get(located.key, located.frame), optim, set() if inplace else None]
+    site[0] += 1
+    if inplace and args:
+        site[3].add(id(args[0]))
     if id(func) not in sample.devices:
         sample.devices[id(func)] = _device_of(args)
