@@ -157,6 +157,28 @@ def cadence_text(kind: str, item: PerStep, total: int, unit: str = "step") -> st
     return f"{kind}: {', '.join(parts) or 'never'}"
 
 
+def _edges(per_unit: dict[int, int], total: int, unit: str) -> Optional[str]:
+    """``"4 per step over 40 steps (8 in the first, none in the last)"`` when the count differs only in the run's
+    first or last step; None otherwise.
+
+    The steps between the first and the last ran whole; those two may be cut by the run's edges: automatic
+    steps begin at an optimizer step, so the first holds what came before the second one, and the last step
+    lasts until the watch ends (a loop's last iteration ended before it, or the run stopped mid-step). A site
+    with the same count in every whole step makes that count per step, with the edges said as they were.
+    """
+    inner = [per_unit.get(u, 0) for u in range(2, total)]
+    if len(inner) < 2 or min(inner) == 0 or len(set(inner)) != 1 or any(u < 1 or u > total for u in per_unit):
+        return None
+    each = inner[0]
+    edges = []
+    for name, u in (("first", 1), ("last", total)):
+        n = per_unit.get(u, 0)
+        if n != each:
+            edges.append(f"{n or 'none'} in the {name}")
+    units = plural(total, unit).split(" ", 1)[1]
+    return f"{each} per {unit} over {total} {units} ({', '.join(edges)})"
+
+
 def frequency(per_unit: dict[int, int], outside: int, total: int, unit: str = "step") -> str:
     """``"3 per step over 12 steps"``, ``"5 times in 2 of 12 steps"``, ``"2 times outside steps"``..."""
     parts = []
@@ -165,7 +187,10 @@ def frequency(per_unit: dict[int, int], outside: int, total: int, unit: str = "s
         counts = set(per_unit.values())
         total = max(total, seen)
         units = plural(total, unit).split(" ", 1)[1]
-        if len(counts) == 1:
+        edges = _edges(per_unit, total, unit) if len(counts) > 1 or seen < total else None
+        if edges is not None:
+            parts.append(edges)
+        elif len(counts) == 1:
             each = counts.pop()
             if seen == total:
                 parts.append(f"{each} per {unit} over {total} {units}")
