@@ -597,7 +597,7 @@ def test_a_tensor_built_lazily_in_the_first_step_and_a_periodic_copy_are_notes(t
     assert check.status == "passed", check.render(False)
     cadences = {e["moved_at"].rsplit(":", 1)[1]: e["cadence"] for e in check.figures["events"]}
     assert cadences == {str(lineno): "once", str(lineno + 10): "periodic"}
-    assert check.summary == "no host-built tensor copied over 40 steps; 5 periodic in your code (noted)"
+    assert check.summary == "no host-built tensor copied over 40 steps; 4 periodic and 1 one-off in your code (noted)"
     assert [f.title.split(": ", 1)[0] for f in check.findings] == ["note", "note"]
     assert report_of(module.train, watch, data, max_copy_rate=0)["on_device"].status == "failed"
     assert report_of(module.train, watch, data[:1])["on_device"].status == "failed"  # in every observed step

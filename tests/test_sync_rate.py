@@ -130,6 +130,46 @@ def test_max_sync_rate_zero_fails_even_a_single_sync(tmp_path: Path) -> None:
     assert report["no_host_sync"].status == "failed"
 
 
+SAMPLING = """
+import torch
+
+def sample(logits, tokens):
+    out = []
+    for i in range(tokens):
+        out.append(int(logits[i % len(logits)].argmax()))  # HERE
+    return out
+
+def train(watch, steps, every, **options):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    with watch(**options) as run:
+        for i in range(steps):
+            with run.step():
+                out = model(torch.randn(4, 8))
+                out.sum().backward()
+                if (i == 17) if every > steps else (i % every == every - 1):
+                    sample(out.detach(), 513 if every > steps else 3)
+    return run
+"""
+
+
+def test_a_burst_of_reads_in_one_sampling_call_is_one_off_not_periodic(tmp_path: Path) -> None:
+    """513 `int(t)` reads in one call, in one step of 40: a one-off, not periodic (periodic is spread over steps)."""
+    module, _ = write_module(tmp_path, "sampling", SAMPLING)
+    report = report_of(module.train, watch, 40, 1000)
+    check = report["no_host_sync"]
+    assert check.status == "passed", check.render(False)
+    assert check.summary == "no sync in your code over 40 steps; 513 one-off syncs in your code (noted)"
+    (finding,) = check.findings
+    assert finding.title == "note: `int(tensor)` in sample: once: 513 times in 1 of 40 steps"
+    assert event(report)["cadence"] == "once"
+    # The same call every 10th step is periodic, and says how many reads it made.
+    report = report_of(module.train, watch, 40, 10)
+    check = report["no_host_sync"]
+    assert check.summary == "no sync in your code over 40 steps; 12 periodic syncs in your code (noted)"
+    assert check.findings[0].title == "note: `int(tensor)` in sample: periodic: 12 times in 4 of 40 steps"
+
+
 def test_a_sync_once_per_epoch_is_a_note(tmp_path: Path) -> None:
     module, lineno = write_module(
         tmp_path,
@@ -288,7 +328,9 @@ def test_lightning_logging_every_10_batches_is_a_note_and_every_batch_fails(tmp_
     assert found["training_step"]["cadence"] == "periodic"
     assert found["training_step"]["steps_with_sync"] == 4 and found["training_step"]["rate"] == 0.1
     assert found["on_train_epoch_end"]["cadence"] == "once per epoch"
-    assert check.summary.startswith("no sync in your code in the whole test (40 steps); 6 periodic syncs")
+    assert check.summary.startswith(
+        "no sync in your code in the whole test (40 steps); 4 periodic and 2 once-per-epoch syncs in your code"
+    )
 
     report, lineno = fit(tmp_path, "every_fit", "True")
     check = report["no_host_sync"]

@@ -41,6 +41,7 @@ __all__ = [
     "PerStep",
     "cadence",
     "cadence_text",
+    "cadences_text",
     "extent",
     "frequency",
     "over_budget",
@@ -146,12 +147,15 @@ def cadence(item: PerStep, total: int, limit: Optional[float]) -> Optional[str]:
 
 
 def cadence_text(kind: str, item: PerStep, total: int, unit: str = "step") -> str:
-    """``"periodic: 4 of 40 steps"``, ``"once per epoch: 3 of 12 steps"``, ``"once: 1 time outside training steps"``."""
+    """``"periodic: 4 of 40 steps"``, ``"once per epoch: 3 of 12 steps"``, ``"once: 1 time outside training steps"``;
+    a site with more than one event in a step says how many in all (``"once: 513 times in 1 of 40 steps"``)."""
     steps = len(item.per_unit)
     total = max(total, steps)
     parts = []
     if steps:
-        parts.append(f"{steps} of {plural(total, unit)}")
+        in_steps = item.count - item.outside
+        times = f"{in_steps} times in " if in_steps > steps else ""
+        parts.append(f"{times}{steps} of {plural(total, unit)}")
     if item.outside:
         parts.append(f"{plural(item.outside, 'time')} outside training steps")
     return f"{kind}: {', '.join(parts) or 'never'}"
@@ -177,6 +181,23 @@ def _edges(per_unit: dict[int, int], total: int, unit: str) -> Optional[str]:
             edges.append(f"{n or 'none'} in the {name}")
     units = plural(total, unit).split(" ", 1)[1]
     return f"{each} per {unit} over {total} {units} ({', '.join(edges)})"
+
+
+#: How a summary names the events of each cadence (a one-off burst is not periodic: periodic is spread over steps).
+_CADENCE_WORDS = {PERIODIC: "periodic", PER_EPOCH: "once-per-epoch", ONCE: "one-off"}
+
+
+def cadences_text(items: Iterable[Any], noun: str = "", nouns: str = "") -> str:
+    """``"4 periodic syncs"``, ``"4 periodic and 513 one-off syncs"``: the events of ``items`` (each with ``count``
+    and ``cadence``) by cadence, for a summary; ``noun``/``nouns`` follow the counts (none when empty)."""
+    counts: dict[str, int] = {}
+    for item in items:
+        if item.cadence is not None:
+            counts[item.cadence] = counts.get(item.cadence, 0) + item.count
+    parts = [f"{counts[kind]} {word}" for kind, word in _CADENCE_WORDS.items() if counts.get(kind)]
+    text = parts[-1] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+    word = noun if sum(counts.values()) == 1 else nouns
+    return f"{text} {word}" if word else text
 
 
 def frequency(per_unit: dict[int, int], outside: int, total: int, unit: str = "step") -> str:

@@ -31,7 +31,7 @@ from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import FRAMEWORK, Frame, Stack, site_of
 from ..text import plural, times
-from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, frequency
+from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, cadences_text, frequency
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -130,7 +130,7 @@ class EmptyCacheCheck(Check):
         if not failing:
             summary = "no torch.cuda.empty_cache() call by your code"
             if noted:
-                summary = f"no frequent torch.cuda.empty_cache() call by your code; {calls - count} periodic (noted)"
+                summary = f"no frequent torch.cuda.empty_cache() call by your code; {cadences_text(noted)} (noted)"
             if self.framework:
                 summary += f" ({times(len(self.framework))} by the framework, not counted)"
             return CheckResult(NAME, PASSED, summary, 0, findings, figures)

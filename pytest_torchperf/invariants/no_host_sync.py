@@ -36,6 +36,7 @@ from ._steps import (
     PerStep,
     cadence,
     cadence_text,
+    cadences_text,
     extent,
     frequency,
     periodic_rate,
@@ -368,7 +369,7 @@ class HostSyncCheck(Check):
         }
         extras = []
         if periodic_count:
-            extras.append(f"{plural(periodic_count, 'periodic sync')} in your code (noted)")
+            extras.append(f"{cadences_text(periodic, 'sync', 'syncs')} in your code (noted)")
         if framework:
             owners = sorted({owner_label(s.frame) for s in framework})
             extras.append(f"{sum(s.count for s in framework)} in {', '.join(owners)} (noted)")

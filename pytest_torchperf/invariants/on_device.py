@@ -45,7 +45,7 @@ from ..report import CheckResult, Finding, Site
 from ..stacks import TORCH, USER, Frame, Stack, classify
 from ..text import plural
 from ._spelling import one_copy, reassigns, spell
-from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, extent, frequency, rate, step_verdict
+from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, cadences_text, extent, frequency, rate, step_verdict
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -417,7 +417,7 @@ class DevicePlacementCheck(Check):
         }
         extras = []
         if periodic:
-            extras.append(f"{figures['periodic_copies']} periodic in your code (noted)")
+            extras.append(f"{cadences_text(periodic)} in your code (noted)")
         if inputs:
             extras.append(f"{plural(figures['input_copies'], 'copy', 'copies')} of input data built by hand (noted)")
         if framework:
