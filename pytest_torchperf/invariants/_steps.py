@@ -16,6 +16,9 @@ from one that repeats on a period, like real projects keep their logging:
   not in every step;
 - ``once``: a single step (or a single event outside steps) in the run.
 
+An epoch is a training pass over a DataLoader (:func:`training_pass`): a pass
+begun with gradients off (an evaluation loop) begins none.
+
 A run too short to show a period is judged by what it shows: one step with
 an event among several is ``once``; a site seen in every observed step is
 never periodic (a 1-step run fails any event); and telling every 5th step
@@ -24,6 +27,7 @@ from every 10th needs about 2/limit steps (20 for the default).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -46,9 +50,11 @@ __all__ = [
     "frequency",
     "over_budget",
     "periodic_rate",
+    "periodic_text",
     "rate",
     "rate_text",
     "step_verdict",
+    "training_pass",
 ]
 
 #: The default of ``max_sync_rate`` / ``max_empty_cache_rate``: every 10th step or rarer is periodic.
@@ -96,6 +102,17 @@ class PerStep:
         return max(self.per_unit.values()) if self.per_unit else 0
 
 
+def training_pass() -> bool:
+    """Whether a DataLoader pass beginning now begins an epoch: one begun with gradients on (training).
+
+    An evaluation pass (Lightning's validation and sanity check, a plain loop's ``with torch.no_grad(): for
+    batch in val_loader``) runs with them off: it is no epoch, or a validation every 10 steps would make each
+    10 steps an epoch whose first sync is free, and a sync every 5th step would read as periodic.
+    """
+    torch = sys.modules.get("torch")
+    return torch is None or bool(torch.is_grad_enabled())
+
+
 def rate(item: PerStep, total: int) -> Optional[float]:
     """The fraction of the observed steps in which ``item`` happened (None when no step was observed)."""
     steps = len(item.per_unit)
@@ -110,8 +127,28 @@ def periodic_rate(item: PerStep, total: int) -> Optional[float]:
     total = max(total, steps)
     if not total:
         return None
-    first = sum(1 for n in item.steps_per_epoch.values() if n) or (1 if steps else 0)
-    return (steps - first) / total
+    return (steps - _free_steps(item)) / total
+
+
+def _free_steps(item: PerStep) -> int:
+    """The steps :func:`periodic_rate` leaves out: the first step with an event in each epoch."""
+    return sum(1 for n in item.steps_per_epoch.values() if n) or (1 if item.per_unit else 0)
+
+
+def periodic_text(item: PerStep, total: int, limit: float, setting: str, verb: str, unit: str = "step") -> str:
+    """What a periodic note says of its rate: ``"synced in 4 of 40 steps, the first of them free; the other 3:
+    0.07 of the steps, within max_sync_rate=0.1"``. The share it prints is the one held against the limit,
+    with the steps it was counted from, never the raw share (0.10 here, 0.17 with two epochs) beside a limit
+    it would exceed."""
+    steps = len(item.per_unit)
+    total = max(total, steps)
+    free = _free_steps(item)
+    share = (steps - free) / total if total else 0.0
+    firsts = "the first of them free" if free == 1 else f"the first in each of {free} epochs free"
+    return (
+        f"{verb} in {steps} of {plural(total, unit)}, {firsts}; the other {steps - free}: "
+        f"{rate_text(share, limit)} of the {unit}s, within {setting}={limit:g}"
+    )
 
 
 def rate_text(share: float, limit: Optional[float] = None) -> str:
