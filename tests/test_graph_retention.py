@@ -305,6 +305,37 @@ def test_a_leak_that_starts_late_is_found() -> None:
     assert check.figures["holders"] == ["local 'kept' in test_a_leak_that_starts_late_is_found"]
 
 
+def test_a_holder_growing_every_step_is_named_before_one_growing_once_an_epoch() -> None:
+    """A list of each step's loss, cleared at each epoch's end, and a list of each epoch's mean loss (one tensor
+    an epoch, whose graph spans the epoch's steps): the per-step holder is the leak named first, though when
+    scanned it holds 2 steps' graphs and the per-epoch one 16."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def body(run: Any) -> None:
+        step_losses: list[Any] = []
+        epoch_means: list[Any] = []
+        for _epoch in range(3):
+            for _ in range(8):
+                with run.step():
+                    loss = model(torch.randn(2, 4)).pow(2).mean()
+                    step_losses.append(loss)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+            epoch_means.append(torch.stack(step_losses).mean())
+            step_losses.clear()
+
+    check = check_of(body)
+    assert check.status == FAILED
+    where = "body"
+    assert check.figures["holders"] == [f"local 'step_losses' in {where}", f"local 'epoch_means' in {where}"]
+    assert check.summary == f"graphs of 2 steps kept by local 'step_losses' in {where} (+1 more)"
+    assert check.findings[0].title.startswith(f"local 'step_losses' in {where}: list of 2 tensors"), check.findings[0]
+    assert "one per step" in check.findings[0].title
+
+
 def test_not_checked_without_a_step_a_backward_pass_or_an_optimizer_step() -> None:
     model = torch.nn.Linear(4, 1)
     assert check_of(lambda run: model(torch.randn(2, 4))).status == NOT_CHECKED

@@ -597,7 +597,12 @@ def test_a_tensor_built_lazily_in_the_first_step_and_a_periodic_copy_are_notes(t
     assert check.status == "passed", check.render(False)
     cadences = {e["moved_at"].rsplit(":", 1)[1]: e["cadence"] for e in check.figures["events"]}
     assert cadences == {str(lineno): "once", str(lineno + 10): "periodic"}
-    assert check.summary == "no host-built tensor copied over 40 steps; 5 periodic in your code (noted)"
+    assert check.summary == "no host-built tensor copied over 40 steps; 4 periodic and 1 one-off in your code (noted)"
     assert [f.title.split(": ", 1)[0] for f in check.findings] == ["note", "note"]
+    periodic = next(f for f in check.findings if "periodic" in f.title)
+    assert (
+        "copied in 4 of 40 steps, the first of them free; the other 3: 0.07 of the steps, within max_copy_rate=0.1: "
+        "a note, not a failure (0 fails on it)" in periodic.facts
+    ), periodic.facts
     assert report_of(module.train, watch, data, max_copy_rate=0)["on_device"].status == "failed"
     assert report_of(module.train, watch, data[:1])["on_device"].status == "failed"  # in every observed step

@@ -266,6 +266,55 @@ def test_counts_per_step_and_steps_with_syncs(tmp_path: Path) -> None:
     assert check.summary == "14 syncs at 2 sites in your code over 4 steps"
 
 
+EDGES = """
+import torch
+
+def read(t):
+    return t.item()  # HERE
+
+def train(watch, steps, marked, uneven=False):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(steps)]
+    with watch() as run:
+        for i, (x, y) in enumerate(data):
+            with run.step() if marked else torch.enable_grad():
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                read(loss)  # before backward: automatic steps begin at the first backward pass
+                loss.backward()
+                for _ in range(i % 3 if uneven else 3):
+                    read(loss)
+                opt.step()
+                opt.zero_grad()
+    return run
+"""
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["run.step", "automatic"])
+def test_the_same_count_in_every_whole_step_reads_per_step_with_the_runs_edges_said(
+    tmp_path: Path, marked: bool
+) -> None:
+    """4 reads in each of 40 iterations. Found at optimizer.step(), step 1 runs from the first backward pass to
+    the second optimizer step (3 reads, then the next iteration's 4) and step 40 only after the last one: the
+    count is 4 in every whole step, which reads "4 per step", not "159 times in 39 of 40 steps (4 to 7 per step)"."""
+    module, lineno = write_module(tmp_path, f"edges_{marked}", EDGES)
+    report = report_of(module.train, watch, 40, marked)
+    check = report["no_host_sync"]
+    (event,) = events(report)
+    if marked:
+        assert event["frequency"] == "4 per step over 40 steps"
+        assert check.summary.endswith(": 4 per step over 40 steps")
+    else:
+        assert check.figures["steps"] == 40 and event["count"] == 159
+        assert event["frequency"] == "4 per step over 40 steps (7 in the first, none in the last)"
+        assert check.findings[0].title.endswith(": 4 per step over 40 steps (7 in the first, none in the last)")
+    # Whole steps that truly differ keep their range.
+    report = report_of(module.train, watch, 40, True, uneven=True)
+    (event,) = events(report)
+    assert event["frequency"] == "79 times over 40 steps (1 to 3 per step)"
+
+
 def test_nested_operations_count_once(tmp_path: Path, capsys: Any) -> None:
     """print() reads the values with .item(); .cpu().numpy() is one copy: each line counts once."""
     module, lineno = write_module(

@@ -69,9 +69,11 @@ def test_a_sync_every_10th_step_is_a_note_with_its_rate(tmp_path: Path) -> None:
     assert found["cadence"] == "periodic" and found["rate"] == 0.1
     (finding,) = check.findings
     assert finding.title == "note: `.item()` in train: periodic: 4 of 40 steps"
-    # The rate held against the limit is the one printed beside it; the raw rate is named as such.
-    assert ("after its first step in each epoch, it synced in 0.07 of the steps, within max_sync_rate=0.1; "
-            "0.10 counting the first" in finding.facts[1]), finding.facts
+    # The share printed beside the limit is the one held against it, with the steps it counts; no raw share.
+    assert finding.facts[1] == (
+        "periodic: synced in 4 of 40 steps, the first of them free; the other 3: 0.07 of the steps, within "
+        "max_sync_rate=0.1: a note, not a failure; max_sync_rate=0 fails on it"
+    ), finding.facts
     assert not finding.hint
     assert check.figures["periodic_syncs"] == 4 and check.figures["syncs"] == 0
 
@@ -128,6 +130,46 @@ def test_max_sync_rate_sets_the_limit(tmp_path: Path, rate: float, status: str) 
 def test_max_sync_rate_zero_fails_even_a_single_sync(tmp_path: Path) -> None:
     report, _ = loop(tmp_path, "i == 3", 20, max_sync_rate=0)
     assert report["no_host_sync"].status == "failed"
+
+
+SAMPLING = """
+import torch
+
+def sample(logits, tokens):
+    out = []
+    for i in range(tokens):
+        out.append(int(logits[i % len(logits)].argmax()))  # HERE
+    return out
+
+def train(watch, steps, every, **options):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    with watch(**options) as run:
+        for i in range(steps):
+            with run.step():
+                out = model(torch.randn(4, 8))
+                out.sum().backward()
+                if (i == 17) if every > steps else (i % every == every - 1):
+                    sample(out.detach(), 513 if every > steps else 3)
+    return run
+"""
+
+
+def test_a_burst_of_reads_in_one_sampling_call_is_one_off_not_periodic(tmp_path: Path) -> None:
+    """513 `int(t)` reads in one call, in one step of 40: a one-off, not periodic (periodic is spread over steps)."""
+    module, _ = write_module(tmp_path, "sampling", SAMPLING)
+    report = report_of(module.train, watch, 40, 1000)
+    check = report["no_host_sync"]
+    assert check.status == "passed", check.render(False)
+    assert check.summary == "no sync in your code over 40 steps; 513 one-off syncs in your code (noted)"
+    (finding,) = check.findings
+    assert finding.title == "note: `int(tensor)` in sample: once: 513 times in 1 of 40 steps"
+    assert event(report)["cadence"] == "once"
+    # The same call every 10th step is periodic, and says how many reads it made.
+    report = report_of(module.train, watch, 40, 10)
+    check = report["no_host_sync"]
+    assert check.summary == "no sync in your code over 40 steps; 12 periodic syncs in your code (noted)"
+    assert check.findings[0].title == "note: `int(tensor)` in sample: periodic: 12 times in 4 of 40 steps"
 
 
 def test_a_sync_once_per_epoch_is_a_note(tmp_path: Path) -> None:
@@ -196,6 +238,57 @@ def test_a_period_that_restarts_every_epoch_gets_its_first_sync_of_each_epoch_fr
     assert check.status == status, check.render(False)
     text = check.findings[0].title + "\n" + "\n".join(check.findings[0].facts)
     assert detail in text, text
+
+
+def test_two_epochs_free_first_syncs_are_counted_and_the_share_printed_is_the_one_judged(tmp_path: Path) -> None:
+    """`batch_idx % 10 == 0` over 4 epochs of 12 batches: 8 of 48 steps (0.17), 4 of them first in their epoch;
+    the note says so and prints 0.08 beside the limit, never 0.17 as though it met it."""
+    module, _ = write_module(tmp_path, "epochs_12_4_10", EPOCHS)
+    loader = DataLoader(TensorDataset(torch.randn(12, 8), torch.randn(12, 1)), batch_size=1)
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), loader, 4, 10)
+    check = report["no_host_sync"]
+    assert check.status == "passed", check.render(False)
+    fact = check.findings[0].facts[1]
+    assert fact.startswith(
+        "periodic: synced in 8 of 48 steps, the first in each of 4 epochs free; the other 4: 0.08 of the steps, "
+        "within max_sync_rate=0.1"
+    ), fact
+    assert "0.17" not in fact
+
+
+VALIDATION = """
+import torch
+
+def train(watch, model, loader, val_loader, every):
+    with watch() as run:
+        for i, (x, y) in enumerate(loader):
+            with run.step():
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                if i % every == 0:
+                    v = loss.item()  # HERE
+            if i % 10 == 9:
+                with torch.no_grad():  # a validation pass every 10 steps is no epoch
+                    for vx, vy in val_loader:
+                        model(vx)
+    return run
+"""
+
+
+@pytest.mark.parametrize("every, status", [(5, "failed"), (10, "passed")])
+def test_an_evaluation_pass_under_no_grad_does_not_begin_an_epoch(tmp_path: Path, every: int, status: str) -> None:
+    """A sync every 5th step (0.2) fails even with a validation pass every 10 steps: counted as epochs, those
+    passes made a first sync free in each 10 steps, and 4 of 40 steps read as periodic within 0.1."""
+    module, _ = write_module(tmp_path, f"validation_{every}", VALIDATION)
+    loader = DataLoader(TensorDataset(torch.randn(40, 8), torch.randn(40, 1)), batch_size=1)
+    val_loader = DataLoader(TensorDataset(torch.randn(8, 8), torch.randn(8, 1)), batch_size=4)
+    report = report_of(module.train, watch, torch.nn.Linear(8, 1), loader, val_loader, every)
+    check = report["no_host_sync"]
+    assert check.status == status, check.render(False)
+    if status == "failed":
+        assert "(rate 0.20; 0.17 after its first step in each epoch)" in "\n".join(check.findings[0].facts)
+    else:
+        assert event(report)["cadence"] == "periodic"
 
 
 def test_a_rate_that_rounds_to_the_limit_is_shown_with_the_digits_that_tell_them_apart() -> None:
@@ -288,7 +381,9 @@ def test_lightning_logging_every_10_batches_is_a_note_and_every_batch_fails(tmp_
     assert found["training_step"]["cadence"] == "periodic"
     assert found["training_step"]["steps_with_sync"] == 4 and found["training_step"]["rate"] == 0.1
     assert found["on_train_epoch_end"]["cadence"] == "once per epoch"
-    assert check.summary.startswith("no sync in your code in the whole test (40 steps); 6 periodic syncs")
+    assert check.summary.startswith(
+        "no sync in your code in the whole test (40 steps); 4 periodic and 2 once-per-epoch syncs in your code"
+    )
 
     report, lineno = fit(tmp_path, "every_fit", "True")
     check = report["no_host_sync"]

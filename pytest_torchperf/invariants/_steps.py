@@ -16,6 +16,9 @@ from one that repeats on a period, like real projects keep their logging:
   not in every step;
 - ``once``: a single step (or a single event outside steps) in the run.
 
+An epoch is a training pass over a DataLoader (:func:`training_pass`): a pass
+begun with gradients off (an evaluation loop) begins none.
+
 A run too short to show a period is judged by what it shows: one step with
 an event among several is ``once``; a site seen in every observed step is
 never periodic (a 1-step run fails any event); and telling every 5th step
@@ -24,6 +27,7 @@ from every 10th needs about 2/limit steps (20 for the default).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -41,13 +45,16 @@ __all__ = [
     "PerStep",
     "cadence",
     "cadence_text",
+    "cadences_text",
     "extent",
     "frequency",
     "over_budget",
     "periodic_rate",
+    "periodic_text",
     "rate",
     "rate_text",
     "step_verdict",
+    "training_pass",
 ]
 
 #: The default of ``max_sync_rate`` / ``max_empty_cache_rate``: every 10th step or rarer is periodic.
@@ -95,6 +102,17 @@ class PerStep:
         return max(self.per_unit.values()) if self.per_unit else 0
 
 
+def training_pass() -> bool:
+    """Whether a DataLoader pass beginning now begins an epoch: one begun with gradients on (training).
+
+    An evaluation pass (Lightning's validation and sanity check, a plain loop's ``with torch.no_grad(): for
+    batch in val_loader``) runs with them off: it is no epoch, or a validation every 10 steps would make each
+    10 steps an epoch whose first sync is free, and a sync every 5th step would read as periodic.
+    """
+    torch = sys.modules.get("torch")
+    return torch is None or bool(torch.is_grad_enabled())
+
+
 def rate(item: PerStep, total: int) -> Optional[float]:
     """The fraction of the observed steps in which ``item`` happened (None when no step was observed)."""
     steps = len(item.per_unit)
@@ -109,8 +127,28 @@ def periodic_rate(item: PerStep, total: int) -> Optional[float]:
     total = max(total, steps)
     if not total:
         return None
-    first = sum(1 for n in item.steps_per_epoch.values() if n) or (1 if steps else 0)
-    return (steps - first) / total
+    return (steps - _free_steps(item)) / total
+
+
+def _free_steps(item: PerStep) -> int:
+    """The steps :func:`periodic_rate` leaves out: the first step with an event in each epoch."""
+    return sum(1 for n in item.steps_per_epoch.values() if n) or (1 if item.per_unit else 0)
+
+
+def periodic_text(item: PerStep, total: int, limit: float, setting: str, verb: str, unit: str = "step") -> str:
+    """What a periodic note says of its rate: ``"synced in 4 of 40 steps, the first of them free; the other 3:
+    0.07 of the steps, within max_sync_rate=0.1"``. The share it prints is the one held against the limit,
+    with the steps it was counted from, never the raw share (0.10 here, 0.17 with two epochs) beside a limit
+    it would exceed."""
+    steps = len(item.per_unit)
+    total = max(total, steps)
+    free = _free_steps(item)
+    share = (steps - free) / total if total else 0.0
+    firsts = "the first of them free" if free == 1 else f"the first in each of {free} epochs free"
+    return (
+        f"{verb} in {steps} of {plural(total, unit)}, {firsts}; the other {steps - free}: "
+        f"{rate_text(share, limit)} of the {unit}s, within {setting}={limit:g}"
+    )
 
 
 def rate_text(share: float, limit: Optional[float] = None) -> str:
@@ -146,15 +184,57 @@ def cadence(item: PerStep, total: int, limit: Optional[float]) -> Optional[str]:
 
 
 def cadence_text(kind: str, item: PerStep, total: int, unit: str = "step") -> str:
-    """``"periodic: 4 of 40 steps"``, ``"once per epoch: 3 of 12 steps"``, ``"once: 1 time outside training steps"``."""
+    """``"periodic: 4 of 40 steps"``, ``"once per epoch: 3 of 12 steps"``, ``"once: 1 time outside training steps"``;
+    a site with more than one event in a step says how many in all (``"once: 513 times in 1 of 40 steps"``)."""
     steps = len(item.per_unit)
     total = max(total, steps)
     parts = []
     if steps:
-        parts.append(f"{steps} of {plural(total, unit)}")
+        in_steps = item.count - item.outside
+        times = f"{in_steps} times in " if in_steps > steps else ""
+        parts.append(f"{times}{steps} of {plural(total, unit)}")
     if item.outside:
         parts.append(f"{plural(item.outside, 'time')} outside training steps")
     return f"{kind}: {', '.join(parts) or 'never'}"
+
+
+def _edges(per_unit: dict[int, int], total: int, unit: str) -> Optional[str]:
+    """``"4 per step over 40 steps (8 in the first, none in the last)"`` when the count differs only in the run's
+    first or last step; None otherwise.
+
+    The steps between the first and the last ran whole; those two may be cut by the run's edges: automatic
+    steps begin at an optimizer step, so the first holds what came before the second one, and the last step
+    lasts until the watch ends (a loop's last iteration ended before it, or the run stopped mid-step). A site
+    with the same count in every whole step makes that count per step, with the edges said as they were.
+    """
+    inner = [per_unit.get(u, 0) for u in range(2, total)]
+    if len(inner) < 2 or min(inner) == 0 or len(set(inner)) != 1 or any(u < 1 or u > total for u in per_unit):
+        return None
+    each = inner[0]
+    edges = []
+    for name, u in (("first", 1), ("last", total)):
+        n = per_unit.get(u, 0)
+        if n != each:
+            edges.append(f"{n or 'none'} in the {name}")
+    units = plural(total, unit).split(" ", 1)[1]
+    return f"{each} per {unit} over {total} {units} ({', '.join(edges)})"
+
+
+#: How a summary names the events of each cadence (a one-off burst is not periodic: periodic is spread over steps).
+_CADENCE_WORDS = {PERIODIC: "periodic", PER_EPOCH: "once-per-epoch", ONCE: "one-off"}
+
+
+def cadences_text(items: Iterable[Any], noun: str = "", nouns: str = "") -> str:
+    """``"4 periodic syncs"``, ``"4 periodic and 513 one-off syncs"``: the events of ``items`` (each with ``count``
+    and ``cadence``) by cadence, for a summary; ``noun``/``nouns`` follow the counts (none when empty)."""
+    counts: dict[str, int] = {}
+    for item in items:
+        if item.cadence is not None:
+            counts[item.cadence] = counts.get(item.cadence, 0) + item.count
+    parts = [f"{counts[kind]} {word}" for kind, word in _CADENCE_WORDS.items() if counts.get(kind)]
+    text = parts[-1] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+    word = noun if sum(counts.values()) == 1 else nouns
+    return f"{text} {word}" if word else text
 
 
 def frequency(per_unit: dict[int, int], outside: int, total: int, unit: str = "step") -> str:
@@ -165,7 +245,10 @@ def frequency(per_unit: dict[int, int], outside: int, total: int, unit: str = "s
         counts = set(per_unit.values())
         total = max(total, seen)
         units = plural(total, unit).split(" ", 1)[1]
-        if len(counts) == 1:
+        edges = _edges(per_unit, total, unit) if len(counts) > 1 or seen < total else None
+        if edges is not None:
+            parts.append(edges)
+        elif len(counts) == 1:
             each = counts.pop()
             if seen == total:
                 parts.append(f"{each} per {unit} over {total} {units}")

@@ -31,7 +31,7 @@ from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import FRAMEWORK, Frame, Stack, site_of
 from ..text import plural, times
-from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, frequency
+from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, cadences_text, frequency, training_pass
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -67,11 +67,12 @@ class EmptyCacheCheck(Check):
         self.sites: dict[Any, _CallSite] = {}
         self.framework: list[Stack] = []
         self.in_scope = 0
-        #: Passes over DataLoaders begun so far: the epoch a call belongs to.
+        #: Training passes over DataLoaders begun so far (see training_pass): the epoch a call belongs to.
         self.epoch = 0
 
     def on_dataloader_pass(self, loader: Any) -> None:
-        self.epoch += 1
+        if training_pass():
+            self.epoch += 1
 
     def on_empty_cache(self, stack: Stack) -> None:
         frame = site_of(stack)
@@ -130,7 +131,7 @@ class EmptyCacheCheck(Check):
         if not failing:
             summary = "no torch.cuda.empty_cache() call by your code"
             if noted:
-                summary = f"no frequent torch.cuda.empty_cache() call by your code; {calls - count} periodic (noted)"
+                summary = f"no frequent torch.cuda.empty_cache() call by your code; {cadences_text(noted)} (noted)"
             if self.framework:
                 summary += f" ({times(len(self.framework))} by the framework, not counted)"
             return CheckResult(NAME, PASSED, summary, 0, findings, figures)

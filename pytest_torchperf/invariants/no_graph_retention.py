@@ -44,8 +44,9 @@ In the sampled steps every module's output is tagged too, as it is built (a
 global module forward hook for that step only): an output the loss never reads
 (an auxiliary head, predictions appended to a list for an epoch-end metric,
 even fed from a detached input) shares no node with the backward pass and is
-seen that way. When several holders grow, the one that gained a graph in the
-most steps (every step, for a list appended to each step) is named first.
+seen that way. When several holders grow, the one that gains a graph most often
+(every step, for a list appended to in each step, even one cleared at each
+epoch's end), then the one that gained one in the most steps, is named first.
 
 Blind spots: a graph held only from C++ (a hook, another graph's saved tensor)
 is reported without a holder; a retained tensor that is neither a module's
@@ -136,6 +137,16 @@ class Group:
         """The steps in which this holder gained a graph: one per tensor's own step, or, for one graph spanning
         several steps (a running sum), each step it spans."""
         return len(self.steps) if self.spanning else len(set(self.own_steps))
+
+    @property
+    def growth_rate(self) -> float:
+        """How often this holder gained a graph: 1.0 for one every step (a list appended to in each step), 0.125
+        for one every 8th (a list appended to at each epoch's end), between the first and the last step it grew
+        in; 0.0 when it grew in one step only (no rate to tell)."""
+        grew = sorted(self.steps) if self.spanning else sorted(set(self.own_steps))
+        if len(grew) < 2:
+            return 0.0
+        return (len(grew) - 1) / (grew[-1] - grew[0])
 
     @property
     def spanning(self) -> bool:
@@ -416,9 +427,11 @@ class GraphRetentionCheck(Check):
                 group.trace = item.trace
         holders.clear()
         del targets
-        # The holder that grew in the most steps first (every step: the leak the run is about), then by the steps
-        # its graphs span and the tensors it holds.
-        ordered = sorted(groups.values(), key=lambda g: (-g.grew_in, -len(g.steps), -g.tensors))
+        # The holder that grows most often first (every step: the leak the run is about; a list cleared at each
+        # epoch's end holds few steps when scanned, yet grows in every one), then the one that grew in the most
+        # steps, then by the steps its graphs span and the tensors it holds. A holder that grows once an epoch
+        # may hold more steps' graphs (an epoch's outputs in one tensor) and still come after it.
+        ordered = sorted(groups.values(), key=lambda g: (-g.growth_rate, -g.grew_in, -len(g.steps), -g.tensors))
         return Diagnosis(
             found.at_step, ordered, found.graph_tensors, found.nodes_visited, found.truncated, found.seconds
         )

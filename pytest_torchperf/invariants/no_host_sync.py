@@ -36,12 +36,15 @@ from ._steps import (
     PerStep,
     cadence,
     cadence_text,
+    cadences_text,
     extent,
     frequency,
     periodic_rate,
+    periodic_text,
     rate,
     rate_text,
     step_verdict,
+    training_pass,
 )
 
 if TYPE_CHECKING:
@@ -220,12 +223,13 @@ class HostSyncCheck(Check):
         self._host_reads_at_start = self._syncs.host_reads
         self.host_reads = 0
         self.unavailable: dict[str, str] = {}
-        #: Passes over DataLoaders begun so far: the epoch an event belongs to.
+        #: Training passes over DataLoaders begun so far (see training_pass): the epoch an event belongs to.
         self.epoch = 0
 
     # -- events from the probes ------------------------------------------------------
     def on_dataloader_pass(self, loader: Any) -> None:
-        self.epoch += 1
+        if training_pass():
+            self.epoch += 1
 
     def on_sync(self, event: Sync) -> Optional[_SyncSite]:
         located = event.located
@@ -321,14 +325,7 @@ class HostSyncCheck(Check):
 
     def _cadence_fact(self, site: _SyncSite, total: int, unit: str) -> str:
         if site.cadence == PERIODIC:
-            # The rate held against the limit, not the raw one beside it (which may read above the limit).
-            beyond = periodic_rate(site, total) or 0.0
-            share = rate(site, total)
-            first = f"; {rate_text(share)} counting the first" if share is not None and share != beyond else ""
-            what = (
-                f"periodic: after its first {unit} in each epoch, it synced in {rate_text(beyond, self.limit)} of "
-                f"the {unit}s, within max_sync_rate={self.limit:g}{first}"
-            )
+            what = "periodic: " + periodic_text(site, total, self.limit, "max_sync_rate", "synced", unit)
         else:
             what = {
                 "once per epoch": f"at most once per epoch (pass over a DataLoader), and not in every {unit}",
@@ -368,7 +365,7 @@ class HostSyncCheck(Check):
         }
         extras = []
         if periodic_count:
-            extras.append(f"{plural(periodic_count, 'periodic sync')} in your code (noted)")
+            extras.append(f"{cadences_text(periodic, 'sync', 'syncs')} in your code (noted)")
         if framework:
             owners = sorted({owner_label(s.frame) for s in framework})
             extras.append(f"{sum(s.count for s in framework)} in {', '.join(owners)} (noted)")

@@ -45,7 +45,20 @@ from ..report import CheckResult, Finding, Site
 from ..stacks import TORCH, USER, Frame, Stack, classify
 from ..text import plural
 from ._spelling import one_copy, reassigns, spell
-from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, extent, frequency, rate, step_verdict
+from ._steps import (
+    DEFAULT_RATE,
+    PERIODIC,
+    PerStep,
+    cadence,
+    cadence_text,
+    cadences_text,
+    extent,
+    frequency,
+    periodic_text,
+    rate,
+    step_verdict,
+    training_pass,
+)
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -237,11 +250,12 @@ class DevicePlacementCheck(Check):
         self._tensors.want_functions(self.allow.function_names)
         self._copies: dict[Any, _Copy] = {}
         self.limit: float = run.options.max_copy_rate
-        #: Passes over DataLoaders begun so far: the epoch a copy belongs to.
+        #: Training passes over DataLoaders begun so far (see training_pass): the epoch a copy belongs to.
         self.epoch = 0
 
     def on_dataloader_pass(self, loader: Any) -> None:
-        self.epoch += 1
+        if training_pass():
+            self.epoch += 1
 
     # -- events from the probe ----------------------------------------------------------
     def on_move(self, event: Move) -> None:
@@ -356,9 +370,12 @@ class DevicePlacementCheck(Check):
             facts.append("a real host-to-device copy on this machine")
         else:
             facts.append("on this CPU-only run the move is a no-op; on a GPU it is a host-to-device copy each time")
-        if copy.cadence is not None and copy.by_user and not copy.allowed_by:
+        if copy.cadence == PERIODIC and copy.by_user and not copy.allowed_by:
+            unit = self.run.unit_name
+            facts.append(f"{periodic_text(copy, self.run.units, self.limit, 'max_copy_rate', 'copied', unit)}: a "
+                         "note, not a failure (0 fails on it)")
+        elif copy.cadence is not None and copy.by_user and not copy.allowed_by:
             what = {
-                "periodic": f"after its first step in each epoch, in at most {self.limit:g} of the steps",
                 "once per epoch": "at most once per epoch",
                 "once": "once in the run (like a tensor built lazily in the first step and kept)",
             }
@@ -417,7 +434,7 @@ class DevicePlacementCheck(Check):
         }
         extras = []
         if periodic:
-            extras.append(f"{figures['periodic_copies']} periodic in your code (noted)")
+            extras.append(f"{cadences_text(periodic)} in your code (noted)")
         if inputs:
             extras.append(f"{plural(figures['input_copies'], 'copy', 'copies')} of input data built by hand (noted)")
         if framework:
