@@ -77,13 +77,18 @@ class DataParallelCheck(Check):
 
     def __init__(self, run: Run) -> None:
         super().__init__(run)
+        #: Live modules by ``id``; a module freed meanwhile keeps its record in ``_freed`` (its ``id`` may be
+        #: the next module's: a DataParallel built and dropped at once is still one that never ran).
         self._instances: dict[int, _Instance] = {}
+        self._freed: list[_Instance] = []
         self._probe: DataParallelProbe = run.probe("data_parallel")
         self.strategies: list[str] = []
 
     def _record(self, module: Any) -> _Instance:
         rec = self._instances.get(id(module))
         if rec is None or rec.ref() is not module:
+            if rec is not None:
+                self._freed.append(rec)
             rec = self._instances[id(module)] = _Instance(module, self._probe)
         return rec
 
@@ -169,7 +174,7 @@ class DataParallelCheck(Check):
         return Finding(title, facts, sites, hint)
 
     def result(self) -> CheckResult:
-        instances = list(self._instances.values())
+        instances = self._freed + list(self._instances.values())
         forwards = sum(r.forwards for r in instances)
         figures: Figures = {
             "data_parallel_modules": len(instances),
