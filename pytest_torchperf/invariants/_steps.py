@@ -102,6 +102,18 @@ class PerStep:
         return max(self.per_unit.values()) if self.per_unit else 0
 
 
+class CountsEpochs:
+    """What the step checks share: :attr:`epoch`, the training passes over DataLoaders begun so far (the
+    epoch an event belongs to, for its cadence). A pass begun with gradients off begins none
+    (:func:`training_pass`)."""
+
+    epoch: int = 0
+
+    def on_dataloader_pass(self, loader: Any) -> None:
+        if training_pass():
+            self.epoch += 1
+
+
 def training_pass() -> bool:
     """Whether a DataLoader pass beginning now begins an epoch: one begun with gradients on (training).
 

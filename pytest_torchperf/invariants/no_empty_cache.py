@@ -31,7 +31,7 @@ from ..registry import Invariant
 from ..report import FAILED, PASSED, CheckResult, Finding, Site, merge_sites
 from ..stacks import FRAMEWORK, Frame, Stack, site_of
 from ..text import plural, times
-from ._steps import DEFAULT_RATE, PerStep, cadence, cadence_text, cadences_text, frequency, training_pass
+from ._steps import DEFAULT_RATE, CountsEpochs, PerStep, cadence, cadence_text, cadences_text, frequency
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -56,7 +56,7 @@ class _CallSite(PerStep):
         self.cadence: Optional[str] = None
 
 
-class EmptyCacheCheck(Check):
+class EmptyCacheCheck(CountsEpochs, Check):
     """Per-run state and verdict of ``no_empty_cache``."""
 
     name = NAME
@@ -67,12 +67,6 @@ class EmptyCacheCheck(Check):
         self.sites: dict[Any, _CallSite] = {}
         self.framework: list[Stack] = []
         self.in_scope = 0
-        #: Training passes over DataLoaders begun so far (see training_pass): the epoch a call belongs to.
-        self.epoch = 0
-
-    def on_dataloader_pass(self, loader: Any) -> None:
-        if training_pass():
-            self.epoch += 1
 
     def on_empty_cache(self, stack: Stack) -> None:
         frame = site_of(stack)

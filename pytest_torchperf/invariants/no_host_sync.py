@@ -33,6 +33,7 @@ from ..text import plural
 from ._steps import (
     DEFAULT_RATE,
     PERIODIC,
+    CountsEpochs,
     PerStep,
     cadence,
     cadence_text,
@@ -44,7 +45,6 @@ from ._steps import (
     rate,
     rate_text,
     step_verdict,
-    training_pass,
 )
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ class _SyncSite(PerStep):
         }
 
 
-class HostSyncCheck(Check):
+class HostSyncCheck(CountsEpochs, Check):
     """Per-run state and verdict of ``no_host_sync``."""
 
     name = NAME
@@ -223,14 +223,8 @@ class HostSyncCheck(Check):
         self._host_reads_at_start = self._syncs.host_reads
         self.host_reads = 0
         self.unavailable: dict[str, str] = {}
-        #: Training passes over DataLoaders begun so far (see training_pass): the epoch an event belongs to.
-        self.epoch = 0
 
     # -- events from the probes ------------------------------------------------------
-    def on_dataloader_pass(self, loader: Any) -> None:
-        if training_pass():
-            self.epoch += 1
-
     def on_sync(self, event: Sync) -> Optional[_SyncSite]:
         located = event.located
         if located.frame is None:

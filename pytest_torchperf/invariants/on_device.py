@@ -48,6 +48,7 @@ from ._spelling import one_copy, reassigns, spell
 from ._steps import (
     DEFAULT_RATE,
     PERIODIC,
+    CountsEpochs,
     PerStep,
     cadence,
     cadence_text,
@@ -57,7 +58,6 @@ from ._steps import (
     periodic_text,
     rate,
     step_verdict,
-    training_pass,
 )
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ class _Copy(PerStep):
         }
 
 
-class DevicePlacementCheck(Check):
+class DevicePlacementCheck(CountsEpochs, Check):
     """Per-run state and verdict of ``on_device``."""
 
     name = NAME
@@ -250,12 +250,6 @@ class DevicePlacementCheck(Check):
         self._tensors.want_functions(self.allow.function_names)
         self._copies: dict[Any, _Copy] = {}
         self.limit: float = run.options.max_copy_rate
-        #: Training passes over DataLoaders begun so far (see training_pass): the epoch a copy belongs to.
-        self.epoch = 0
-
-    def on_dataloader_pass(self, loader: Any) -> None:
-        if training_pass():
-            self.epoch += 1
 
     # -- events from the probe ----------------------------------------------------------
     def on_move(self, event: Move) -> None:
