@@ -48,6 +48,8 @@ from pytest_torchperf.timing import (  # noqa: E402
     timing_lock,
     verdict,
 )
+from pytest_torchperf.timing.clock import EpochWatch, whole_epoch  # noqa: E402
+from pytest_torchperf.timing.vanilla import VanillaLoop  # noqa: E402
 
 #: Every other invariant off (those on by default), so only max_overhead is checked and paid for.
 ONLY_OVERHEAD = {name: False for name in Options().enabled_checks}
@@ -240,6 +242,36 @@ def test_stopwatch_measures_the_time_another_process_held_our_cpu() -> None:
         hog.kill()
         hog.wait()
     assert waited is not None and 0.1 < waited < wall
+
+
+def spin(seconds: float) -> None:
+    """``seconds`` of this thread's CPU time, however long other processes hold the CPU."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_an_epoch_cut_short_counts_as_the_whole_epoch_with_its_per_epoch_cost_once() -> None:
+    watch = EpochWatch(None, left=6, apart=5)  # an epoch of 12 batches cut to its first 6
+    watch.start()
+    spin(0.05)  # the epoch's own cost (its hooks, a new iterator...)
+    for index in range(6):
+        watch.batch_start(index)
+        spin(0.005)
+    seconds, wait = watch.stop()
+    # The whole epoch: the per-epoch cost once and 12 batches, 0.11 s (the window scaled by 12/6 would be 0.22 s).
+    assert seconds - (wait or 0.0) == pytest.approx(0.11, rel=0.1)
+
+
+def test_the_whole_epochs_wait_for_a_cpu_is_extrapolated_like_its_seconds() -> None:
+    # A window of 1 s (0.1 s of it waiting), read at 0.2 s and 0.5 s, 3 batches apart; 6 batches left.
+    assert whole_epoch((1.0, 0.1), (0.2, 0.02), (0.5, 0.05), 3, 6) == pytest.approx((1.6, 0.16))
+    assert whole_epoch((1.0, None), (0.2, None), (0.5, None), 3, 6) == (pytest.approx(1.6), None)
+    with pytest.raises(RuntimeError, match="read at 1 of batches"):
+        watch = EpochWatch(None, left=6, apart=5)
+        watch.start()
+        watch.batch_start(0)
+        watch.stop()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -552,6 +584,13 @@ def test_vanilla_fit_refuses_what_it_cannot_mirror(
 ) -> None:
     with pytest.raises(NotMirrored, match=message):
         vanilla_fit(module(), loaders(), **kwargs)
+
+
+def test_a_vanilla_epoch_says_when_each_batch_begins() -> None:
+    loop = VanillaLoop(Tiny(), tiny_loader(n=48))
+    begun: list[int] = []
+    loop.run_epoch(5, begun.append)
+    assert begun == [0, 1, 2, 3, 4] and loop.batches == 5
 
 
 def test_vanilla_fit_refuses_bad_arguments() -> None:

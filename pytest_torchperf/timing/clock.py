@@ -237,7 +237,8 @@ class Stopwatch:
 
     :meth:`stop` returns ``(seconds, seconds waiting for a CPU)``: in thread
     time the seconds are wall seconds and the wait is what to take out of them;
-    in the other units the wait is None.
+    in the other units the wait is None. :meth:`lap` reads the same without
+    ending the section (on a GPU it drains the queue, as :meth:`stop` does).
     """
 
     def __init__(self, device: Any = None) -> None:
@@ -261,8 +262,8 @@ class Stopwatch:
         self._started = perf_counter()
         self._wait = cpu_wait() if self.unit == THREAD_TIME else None
 
-    def stop(self) -> tuple[float, Optional[float]]:
-        """``(seconds, seconds waiting for a CPU or None)`` since :meth:`start`."""
+    def lap(self) -> tuple[float, Optional[float]]:
+        """``(seconds, seconds waiting for a CPU or None)`` since :meth:`start`; the watch runs on."""
         if self._cuda is not None:
             torch = sys.modules["torch"]
             begin, end = self._events
@@ -275,6 +276,59 @@ class Stopwatch:
         if wait is None or self._wait is None:
             return wall, None
         return wall, min(max(wait - self._wait, 0.0), wall)
+
+    def stop(self) -> tuple[float, Optional[float]]:
+        """The section's reading (:meth:`lap`: nothing needs stopping)."""
+        return self.lap()
+
+
+Reading = tuple[float, Optional[float]]
+
+
+def whole_epoch(window: Reading, first: Reading, last: Reading, apart: int, left: int) -> Reading:
+    """A whole epoch's ``(seconds, wait)`` from an epoch cut short: the ``window`` it ran in (its start and its end,
+    so each per-epoch cost is in it once) plus the ``left`` batches it did not train at the per-batch rate between
+    the readings ``first`` and ``last``, taken at the starts of two batches ``apart`` batches apart. The wait (where
+    measured) is extrapolated alike, so that seconds less wait stays what the unit measures."""
+    seconds = window[0] + (last[0] - first[0]) * left / apart
+    waits = (window[1], first[1], last[1])
+    if waits[0] is None or waits[1] is None or waits[2] is None:
+        return seconds, None
+    return seconds, waits[0] + (waits[2] - waits[1]) * left / apart
+
+
+class EpochWatch:
+    """Times an epoch; one cut short, ``left`` batches before its end, as the whole epoch it stands for.
+
+    A :class:`Stopwatch` over the epoch as it ran, read at the start of its first batch and of the batch ``apart``
+    batches later (:meth:`batch_start`, called with each batch's index as it begins); :meth:`stop` gives
+    :func:`whole_epoch`. With ``left=0`` it is the epoch's own time.
+    """
+
+    def __init__(self, device: Any, left: int = 0, apart: int = 1) -> None:
+        self.watch = Stopwatch(device)
+        self.unit = self.watch.unit
+        self.left = left
+        self.apart = apart
+        self._at = (0, apart) if left else ()
+        self._readings: list[Reading] = []
+
+    def start(self) -> None:
+        self._readings.clear()
+        self.watch.start()
+
+    def batch_start(self, index: int) -> None:
+        if index in self._at:
+            self._readings.append(self.watch.lap())
+
+    def stop(self) -> Reading:
+        window = self.watch.stop()
+        if not self.left:
+            return window
+        if len(self._readings) != 2:
+            raise RuntimeError(f"an epoch cut short for timing was read at {len(self._readings)} of batches {self._at}")
+        first, last = self._readings
+        return whole_epoch(window, first, last, self.apart, self.left)
 
 
 def torch_threads() -> Optional[int]:

@@ -367,8 +367,13 @@ class VanillaLoop:
             return False
         return True
 
-    def run_epoch(self, max_batches: Optional[int] = None) -> float:
-        """Train one epoch (at most ``max_batches`` batches); return its seconds, CUDA synchronised."""
+    def run_epoch(
+        self, max_batches: Optional[int] = None, batch_start: Optional[Callable[[int], None]] = None
+    ) -> float:
+        """Train one epoch (at most ``max_batches`` batches); return its seconds, CUDA synchronised.
+
+        ``batch_start(batch_idx)`` is called as each batch begins, once it is fetched (a timer's reading).
+        """
         torch = self._torch
         self.module.train()
         batches = self.loader if max_batches is None else itertools.islice(self.loader, max_batches)
@@ -379,6 +384,8 @@ class VanillaLoop:
             pending = False
             batch_idx = -1
             for batch_idx, batch in enumerate(batches):
+                if batch_start is not None:
+                    batch_start(batch_idx)
                 pending = self._batch(batch, batch_idx)
             if pending:  # the epoch ended inside an accumulation window: Lightning steps on the last batch
                 self._optimizer_step(batch_idx)
