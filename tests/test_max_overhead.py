@@ -7,6 +7,7 @@ or synthetic epoch times so the file stays fast on two cores.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -667,9 +668,9 @@ def _replayed_epochs(steps: list[tuple[str, int, int]]) -> list[tuple[str, int]]
     return epochs
 
 
-@pytest.mark.parametrize("accumulate, warmup", [(1, 4), (3, 6)])
-def test_the_replays_warm_up_epoch_ends_after_a_few_batches_and_the_rounds_are_whole_epochs(
-    tmp_path: Any, accumulate: int, warmup: int
+@pytest.mark.parametrize("accumulate, warmup, timed", [(1, 4, 11), (3, 6, 12)])
+def test_the_replays_warm_up_epoch_ends_after_a_few_batches_and_the_timed_epochs_after_about_half(
+    tmp_path: Any, accumulate: int, warmup: int, timed: int
 ) -> None:
     Recorded.steps.clear()
     Recorded.starts.clear()
@@ -679,12 +680,13 @@ def test_the_replays_warm_up_epoch_ends_after_a_few_batches_and_the_rounds_are_w
         Recorded.steps.clear()
         Recorded.starts.clear()
     fit = run.report["max_overhead"].figures["fits"][0]
-    assert fit["verdict"] == "passed" and fit["batches_per_epoch"] == 21
+    assert fit["verdict"] == "passed" and fit["batches_per_epoch"] == 21 and fit["timed_batches"] == timed
     epochs = _replayed_epochs(Recorded.steps)
     # The warm-up epoch trains `warmup` batches (whole accumulation windows), the vanilla loop warms up on 3;
-    # then every timed epoch, the first round's vanilla one (run before its Lightning epoch) included, is whole.
+    # then every timed epoch, the first round's vanilla one (run before its Lightning epoch) included, trains
+    # about half of the 21 batches, in whole accumulation windows.
     assert epochs[:2] == [("L", warmup), ("V", 3)], epochs
-    assert epochs[2:] and all(batches == 21 for _, batches in epochs[2:]), epochs
+    assert epochs[2:] and all(batches == timed for _, batches in epochs[2:]), epochs
     assert sum(side == "L" for side, _ in epochs[2:]) == fit["rounds"] == sum(side == "V" for side, _ in epochs[2:])
     # Lightning fetched one more batch of the warm-up (its hook ran) and trained none of it; torchperf's wrapper
     # of the hook is gone from the second epoch on.
@@ -704,6 +706,21 @@ def test_the_warm_ups_profile_leaves_out_its_first_batch_with_the_new_trainers_o
     hooks = {h["name"]: h for h in fit["hooks"]}
     hook = next(h for name, h in hooks.items() if name.endswith("on_train_batch_end"))
     assert hook["calls"] == LIGHTNING_WARMUP_BATCHES - 1, hooks  # batches 2..4 of the warm-up
+
+
+class EpochStartCost(Tiny):
+    def on_train_epoch_start(self) -> None:
+        spin(0.2)  # a per-epoch cost the vanilla loop has no counterpart of
+
+
+def test_a_per_epoch_cost_counts_once_in_an_epoch_timed_over_half_its_batches(tmp_path: Any) -> None:
+    with watch(max_overhead="10000%", **ONLY_OVERHEAD) as run:
+        tiny_trainer(tmp_path).fit(EpochStartCost(), tiny_loader(n=8 * 16))
+    fit = run.report["max_overhead"].figures["fits"][0]
+    assert (fit["timed_batches"], fit["batches_per_epoch"]) == (8, 16)
+    # A Lightning epoch: the hook's 0.2 s once, plus 16 tiny batches; per batch it would be twice that and more.
+    assert 0.19 < fit["candidate"]["median_s"] < 0.32, fit["candidate"]
+    assert any(note.startswith("each timed epoch trained 8 of its 16 batches") for note in fit["notes"])
 
 
 def test_a_warm_up_epoch_of_unknown_length_is_whole(tmp_path: Any) -> None:
@@ -959,6 +976,52 @@ def test_slow_hook_fails_at_30_percent_and_is_named_in_the_report(heavy: pytest.
             "*hint: SlowHookModule.on_train_batch_end runs in the fit and has no counterpart in the vanilla loop*",
         ]
     )
+
+
+def test_epochs_timed_over_half_their_batches_say_so_in_the_report_and_the_json(pytester: pytest.Pytester) -> None:
+    source = """
+        import pytest
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        try:
+            import pytorch_lightning as pl
+        except ImportError:  # pragma: no cover
+            import lightning.pytorch as pl
+
+
+        class Tiny(pl.LightningModule):  # Lightning adds far more than 1% to its tiny step
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(8, 1)
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return torch.nn.functional.mse_loss(self.layer(x), y)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+        @pytest.mark.torchperf(max_overhead=0.01, OTHERS_OFF)
+        def test_fit(tmp_path):
+            data = TensorDataset(torch.randn(8 * 20, 8), torch.randn(8 * 20, 1))
+            trainer = pl.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False, default_root_dir=str(tmp_path))
+            trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+        """
+    pytester.makepyfile(test_cut=marked(source))
+    result = pytester.runpytest("--torchperf-json=out.json")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*each timed epoch trained 10 of its 20 batches and counts as the whole epoch: its time plus the other "
+            "10 batches at the per-batch rate of its own batches 1 to 9 (both loops alike), so that per-epoch costs*",
+        ]
+    )
+    doc = json.loads((pytester.path / "out.json").read_text())
+    (fit,) = doc["tests"][0]["checks"]["max_overhead"]["figures"]["fits"]
+    assert (fit["timed_batches"], fit["batches_per_epoch"]) == (10, 20)
 
 
 def test_marker_rejects_a_bad_round_budget(pytester: pytest.Pytester) -> None:

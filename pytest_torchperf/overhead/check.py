@@ -21,7 +21,15 @@ from ..timing import NotMirrored, ParityResult
 from ..timing.stats import fmt_pct
 from ..timing.stats import fmt_seconds as _seconds
 from .attribution import attribution, where_finding
-from .replay import ObservedFit, config_refusals, copy_callbacks, mirrored_config, run_replay, snapshot
+from .replay import (
+    ObservedFit,
+    config_refusals,
+    copy_callbacks,
+    mirrored_config,
+    root_device,
+    run_replay,
+    snapshot,
+)
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -96,8 +104,11 @@ class OverheadCheck:
         fit.mirror = mirrored_config(trainer)
         max_steps = getattr(trainer, "max_steps", None)
         per_epoch = getattr(trainer, "num_training_batches", None)
+        if isinstance(per_epoch, int):
+            fit.epoch_batches = per_epoch
         if isinstance(max_steps, int) and max_steps > 0 and isinstance(per_epoch, int) and max_steps < per_epoch:
-            fit.batches_cap = max_steps  # the user's fit never ran a full epoch: time epochs of its length
+            fit.batches_cap = fit.epoch_batches = max_steps  # the user's fit never ran a full epoch: time its length
+        fit.device = root_device(trainer)
 
     # -- verdict --------------------------------------------------------------------
     def result(self) -> CheckResult:
@@ -182,6 +193,7 @@ class OverheadCheck:
             {
                 "status": parity.verdict,
                 "batches_per_epoch": replay.batches,
+                "timed_batches": replay.timed_batches,
                 "hooks": [h.to_dict() for h in hooks],
                 "check_seconds": seconds,
             }

@@ -31,19 +31,20 @@ from ..clocks import perf_counter
 from ..core import suspended
 from ..stacks import Stack
 from ..timing import (
+    CUDA_EVENT_TIME,
     WARMUP_BATCHES,
     LoadMeter,
     NotMirrored,
     ParityResult,
     Rounds,
-    Stopwatch,
     VanillaLoop,
+    clock_unit,
     frozen_heap,
     timing_lock,
     timing_threads,
     torch_threads,
 )
-from ..timing.clock import torch_threads_pinned
+from ..timing.clock import EpochWatch, Reading, torch_threads_pinned
 from ..timing.vanilla import _autocast_dtype, _module_device
 
 NAMES = ("Lightning fit", "vanilla loop")
@@ -56,6 +57,8 @@ NAMES = ("Lightning fit", "vanilla loop")
 #: Lightning's own way to end an epoch early). A whole first epoch cost a 2-epoch test's check about
 #: 0.4 fits of its time; 8 batches still cost a whole epoch of an 8-batch test.
 LIGHTNING_WARMUP_BATCHES = 4
+#: The fewest batches a timed epoch cut short trains (:func:`timed_batches`).
+TIMED_MIN_BATCHES = 4
 
 _DROPPED_TRAINER_ARGS = (
     "max_steps",
@@ -91,6 +94,10 @@ class ObservedFit:
     ended: bool = False
     finished: bool = False
     batches_cap: Optional[int] = None
+    #: The batches of an epoch of the fit, where known beforehand (not for an iterable dataset without a length).
+    epoch_batches: Optional[int] = None
+    #: The device the fit trained on (None: not known).
+    device: Any = None
     mirror: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -185,6 +192,30 @@ def config_refusals(trainer: Any, model: Any) -> list[str]:
     return reasons
 
 
+def root_device(trainer: Any) -> Any:
+    """The device a Trainer trains on (``strategy.root_device``; pytorch-lightning 1.5: its accelerator's)."""
+    for owner in (getattr(trainer, "strategy", None), getattr(trainer, "accelerator", None)):
+        device = getattr(owner, "root_device", None)
+        if device is not None:
+            return device
+    return None
+
+
+def timed_batches(fit: ObservedFit) -> Optional[int]:
+    """The batches each timed epoch trains where epochs are cut short; None where they are whole.
+
+    About half the epoch, in whole accumulation windows, at least :data:`TIMED_MIN_BATCHES` and two windows (the
+    per-batch rate is read over all but the last one). Whole where that is not fewer, where the epoch's length is
+    unknown, and on a GPU (a reading mid-epoch would drain its queue).
+    """
+    n = fit.epoch_batches
+    if n is None or clock_unit(fit.device) == CUDA_EVENT_TIME:
+        return None
+    k = fit.mirror.get("accumulate_grad_batches", 1)
+    timed = -(-max(-(-n // 2), TIMED_MIN_BATCHES, 2 * k) // k) * k
+    return timed if timed < n else None
+
+
 def mirrored_config(trainer: Any) -> dict[str, Any]:
     algorithm = getattr(trainer, "gradient_clip_algorithm", None)
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
@@ -201,7 +232,9 @@ def mirrored_config(trainer: Any) -> dict[str, Any]:
 @dataclass
 class Replay:
     parity: ParityResult
+    #: A whole epoch's batches (the epochs the rounds compare), and the batches each timed epoch trained.
     batches: int
+    timed_batches: int
     actions: dict[str, list[float]]
     profiled_batches: int
     trainer: Any
@@ -238,17 +271,22 @@ class _Interleaver:
         self.loop: Optional[VanillaLoop] = None
         self.device: Any = None
         self.epoch = -1  # the Lightning epoch running now
-        self.window = Stopwatch()  # the Lightning epoch's window
+        #: The clocks of the Lightning epochs' windows and of the vanilla epochs (set at the replay's start).
+        self.window = EpochWatch(None)
+        self.vanilla_watch = EpochWatch(None)
         self.batches = 0  # batches of the Lightning epoch running now
-        self.l_times: list[tuple[float, Optional[float]]] = []  # (wall s, s waiting for a CPU)
+        self.l_times: dict[int, Reading] = {}  # per timed epoch: (wall s, s waiting for a CPU)
         self.l_batches: list[int] = []
-        self.v_times: dict[int, tuple[float, Optional[float]]] = {}
+        self.v_times: dict[int, Reading] = {}
         self.profiled_batches = 0
         self.threads: set[int] = set()
         self.stopped = False
         #: Batches the warm-up epoch trains before it ends (set at the replay's start).
         self.warmup_batches = LIGHTNING_WARMUP_BATCHES
-        #: A whole epoch's batches, where the warm-up ends early (``trainer.num_training_batches``).
+        #: A timed epoch's batches (the replay's ``trainer.num_training_batches``) where known beforehand and no
+        #: fewer than the warm-up's: the warm-up then ends after :attr:`warmup_batches`, profiled from its second
+        #: batch, and the first round's vanilla epoch runs before its Lightning one. None for an iterable dataset
+        #: without a length (every epoch whole, the warm-up's too).
         self.epoch_batches: Optional[int] = None
         #: The replay's module, while its ``on_train_batch_start`` is wrapped to end the warm-up epoch.
         self._limited: Any = None
@@ -276,15 +314,16 @@ class _Interleaver:
 
     def on_train_batch_start(self) -> None:
         self.batches += 1
-        if self.epoch == 0 and self.batches == 2 and self.epoch_batches is not None:
+        if self.epoch > 0:
+            self.window.batch_start(self.batches - 1)
+        elif self.epoch == 0 and self.batches == 2 and self.epoch_batches is not None:
             self.profiler.enabled = True  # a warm-up cut short: its first batch (one-time costs) unprofiled
 
-    def _vanilla_epoch(self, batches: int) -> tuple[float, Optional[float]]:
+    def _vanilla_epoch(self, batches: int) -> Reading:
         assert self.loop is not None
-        watch = Stopwatch(self.device)
-        watch.start()
-        self.loop.run_epoch(batches)
-        return watch.stop()
+        self.vanilla_watch.start()
+        self.loop.run_epoch(batches, self.vanilla_watch.batch_start)
+        return self.vanilla_watch.stop()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         device = getattr(pl_module, "device", None)
@@ -292,31 +331,40 @@ class _Interleaver:
         self.timing_threads = timing_threads(self.device)
         if self.timing_threads is not None:
             self.pin(self.timing_threads)
-        self.window = Stopwatch(self.device)
         module = copy.deepcopy(self.fit.snapshot).to(self.device)
         self.loop = VanillaLoop(module, _train_loaders(trainer), trainer=trainer, **self.fit.mirror)
         k = self.loop.accumulate
         self.warmup_batches = -(-max(LIGHTNING_WARMUP_BATCHES, k) // k) * k
         total = getattr(trainer, "num_training_batches", None)
-        # Only where every epoch's length is known beforehand: the first round's vanilla epoch runs before its
-        # Lightning one, as long as a whole epoch (an iterable dataset without a length: the warm-up is whole).
-        if isinstance(total, (int, float)) and math.isfinite(total) and int(total) > self.warmup_batches:
+        timed, whole = timed_batches(self.fit), self.fit.epoch_batches
+        left = apart = 0
+        if timed is not None and total == timed and whole is not None:
+            # Epochs cut short (limit_train_batches): each side's time counts as the whole epoch's, extrapolated at
+            # its own rate over whole accumulation windows, batches 1 to timed - k.
+            left, apart = whole - timed, timed - k
+        self.window, self.vanilla_watch = EpochWatch(self.device, left, apart), EpochWatch(self.device, left, apart)
+        if isinstance(total, (int, float)) and math.isfinite(total) and int(total) >= self.warmup_batches:
             self.epoch_batches = int(total)
             self._limit_warmup(pl_module)
 
     def on_train_epoch_start(self, trainer: Any) -> None:
         if self.stopped:
             return
-        if self.epoch >= 0:
-            self.l_times.append(self.window.stop())
+        if self.epoch >= 1:  # a timed epoch ended (the warm-up, epoch 0, is not timed)
+            if self.window.left and self.batches != self.epoch_batches:
+                raise RuntimeError(
+                    f"a timed Lightning epoch of the replay trained {self.batches} batches, not the "
+                    f"{self.epoch_batches} it was cut to (does a callback or hook end epochs early?)"
+                )
+            self.l_times[self.epoch] = self.window.stop()
             self.l_batches.append(self.batches)
         threads = torch_threads()
         if threads is not None:
             self.threads.add(threads)
         starting = self.epoch + 1
         if starting == 0:
-            # A warm-up that ends early profiles from its second batch on (on_train_batch_start); a whole
-            # one (an epoch of unknown length, or no longer than the warm-up) is profiled whole.
+            # A warm-up of known length profiles from its second batch on (on_train_batch_start); a whole one
+            # (an epoch of unknown length, or shorter than the warm-up) is profiled whole.
             self.profiler.enabled = self.epoch_batches is None
         else:
             ended = starting - 1
@@ -331,7 +379,7 @@ class _Interleaver:
                 if self.epoch_batches is not None:
                     self.end_warmup_limit()
                     if n == self.warmup_batches:
-                        n = self.epoch_batches  # the warm-up ended early: the first round's epochs are whole
+                        n = self.epoch_batches  # the warm-up ended early: the first round's epochs are timed ones
             else:
                 if ended % 2 == 0:  # an L-first round: its vanilla epoch follows
                     self.v_times[ended] = self._vanilla_epoch(n)
@@ -347,7 +395,8 @@ class _Interleaver:
                 self.v_times[starting] = self._vanilla_epoch(n)
         self.epoch = starting
         self.batches = 0
-        self.window.start()
+        if starting >= 1:
+            self.window.start()
 
 
 _classes: dict[tuple[str, str], Any] = {}
@@ -491,6 +540,9 @@ def _replay_trainer_kwargs(
     if fit.batches_cap is not None:
         updates["limit_train_batches"] = fit.batches_cap
         notes.append(f"epochs are {fit.batches_cap} batches long, like your fit (max_steps={fit.batches_cap})")
+    timed = timed_batches(fit)
+    if timed is not None:
+        updates["limit_train_batches"] = timed  # Lightning ends the epoch there as it ends a whole one
     for key, value in updates.items():
         if key in params:
             named[key] = value
@@ -574,7 +626,7 @@ def run_replay(fit: ObservedFit, max_overhead: Optional[float], rounds: int) -> 
                 elapsed = perf_counter() - started
     if len(controller) < 2:
         raise RuntimeError(
-            f"the timing replay stopped after {len(interleaver.l_times)} epochs, before two rounds were timed "
+            f"the timing replay stopped after {interleaver.epoch + 1} epochs, before two rounds were timed "
             "(does a callback or hook stop training early?)"
         )
     if not interleaver.stopped:
@@ -591,6 +643,15 @@ def run_replay(fit: ObservedFit, max_overhead: Optional[float], rounds: int) -> 
         )
     if interleaver.loop is not None:
         notes.extend(interleaver.loop.notes)
+    timed = interleaver.l_batches[-1] if interleaver.l_batches else 0
+    watch = interleaver.window
+    if watch.left:
+        notes.append(
+            f"each timed epoch trained {timed} of its {timed + watch.left} batches and counts as the whole "
+            f"epoch: its time plus the other {watch.left} batches at the per-batch rate of its own batches 1 to "
+            f"{watch.apart} (both loops alike), so that per-epoch costs (the epoch's hooks, a new DataLoader "
+            "iterator, worker start-up) count once per epoch, as in your fit"
+        )
     parity = ParityResult.from_rounds(
         controller,
         NAMES,
@@ -605,13 +666,13 @@ def run_replay(fit: ObservedFit, max_overhead: Optional[float], rounds: int) -> 
         elapsed_s=elapsed,
         notes=notes,
     )
-    batches = interleaver.l_batches[-1] if interleaver.l_batches else 0
     return Replay(
-        parity,
-        batches,
-        dict(getattr(profiler, "totals", {}) or {}),
-        interleaver.profiled_batches,
-        trainer,
-        module,
-        excluded,
+        parity=parity,
+        batches=timed + watch.left,
+        timed_batches=timed,
+        actions=dict(getattr(profiler, "totals", {}) or {}),
+        profiled_batches=interleaver.profiled_batches,
+        trainer=trainer,
+        module=module,
+        excluded=excluded,
     )
