@@ -18,6 +18,25 @@ batches. Round r pairs L_r with the adjacent V_r (V first in odd rounds, L first
 even ones). A Lightning epoch is timed from the end of one
 ``on_train_epoch_start`` boundary to the start of the next, so every per-epoch
 cost Lightning has is inside it; vanilla epochs run outside that window.
+
+Each timed epoch, L and V alike, trains only its first m of the epoch's n
+batches (:func:`~.replay.timed_batches`: about n / 2, in whole accumulation
+windows of k batches, at least 4 and two windows) and counts as the whole
+epoch (:class:`~pytest_torchperf.timing.clock.EpochWatch`): its own time, in
+which each per-epoch cost (the epoch's hooks, a new DataLoader iterator, worker
+start-up) falls once as in the user's fit, plus the n - m batches it did not
+train at the per-batch rate of that same epoch's batches 1 to m - k. The
+replay's Trainer gets ``limit_train_batches=m``, so Lightning ends the epoch
+as it ends a whole one, after its last batch (a -1, as for L0, would leave the
+fetch and the start of a batch it never trains inside the window: 0.7 and
+2.1 ms of CPU, 0.5% and 0.9% of an epoch, in the far and heavy cases of
+``benchmarks/bench_overhead_load.py`` on a loaded machine). Epochs are whole
+where n is unknown beforehand (an iterable dataset without a length), where m
+would not be fewer, and on a GPU (CUDA event time: a reading mid-epoch would
+drain the queue). Shorter epochs make a clear case cheaper (about warm-up + L
++ V for two rounds, not warm-up + 2 L + 2 V); each one's time carries the
+noise of the batches its rate was read over.
+
 Both sides are timed by :class:`~pytest_torchperf.timing.Stopwatch`: CUDA
 events on a GPU; on a CPU, with one torch thread on both sides, wall time
 less the thread's waits for a CPU. Rounds stop as
@@ -36,7 +55,7 @@ checkpointing (``enable_checkpointing=False``; ModelCheckpoint and
 EarlyStopping removed), no model summary, files under a temporary directory,
 and torchperf's profiler. Where the extra time went comes from Lightning's own
 profiler actions (``[Callback]X.on_train_batch_end``, ...) recorded during the
-untimed warm-up epoch, from its second batch on where it ends early (the first carries one-time costs).
+untimed warm-up epoch, from its second batch on where its length is known (the first carries one-time costs).
 """
 
 from __future__ import annotations
