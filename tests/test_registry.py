@@ -284,3 +284,29 @@ def test_an_invariant_registered_after_the_first_watched_test_is_known_from_then
     assert run["checks"]["late_invariant"]["summary"] == "late_setting=3"
     assert "late_invariant" not in tests["test_a_watched_test_loads_the_registry"]["runs"][0]["options"]
 
+
+def test_the_registry_loads_without_max_overhead_s_replay_and_timing_modules() -> None:
+    """``max_overhead``'s check is made by a factory: its modules load when a run first checks it."""
+    code = textwrap.dedent(
+        """
+        import sys
+        from pytest_torchperf import options, registry
+        registry.all_arguments()
+        options.parse_options({"max_overhead": 0.1})
+        print(sorted(m for m in sys.modules if m.startswith(("pytest_torchperf.overhead", "pytest_torchperf.timing"))))
+        """
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
+
+
+def test_every_built_in_check_s_handlers_take_what_their_events_send() -> None:
+    """As at registration, for the one built-in check made by a factory too (verified when first made)."""
+    from pytest_torchperf.declarations import verify_handlers
+    from pytest_torchperf.overhead.check import OverheadCheck
+
+    made_by_factories = {"max_overhead": OverheadCheck}
+    for name in registry.BUILTIN:
+        invariant = registry.get(name)
+        check = invariant.check if isinstance(invariant.check, type) else made_by_factories[name]
+        verify_handlers(check, f"built-in {name}", registry._probe_events(invariant))
+    assert [n for n in registry.BUILTIN if not isinstance(registry.get(n).check, type)] == list(made_by_factories)
