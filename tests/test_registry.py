@@ -299,6 +299,12 @@ def test_the_registry_loads_without_max_overhead_s_replay_and_timing_modules() -
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
 
 
+def test_every_built_in_declaration_passes_the_validation_a_plug_in_s_gets() -> None:
+    """The registry does not validate this package's own declarations in every process: this test does."""
+    for name in registry.BUILTIN:
+        registry._validate(registry.get(name), f"pytest_torchperf.invariants.{name}")
+
+
 def test_every_built_in_check_s_handlers_take_what_their_events_send() -> None:
     """As at registration, for the one built-in check made by a factory too (verified when first made)."""
     from pytest_torchperf.declarations import verify_handlers
