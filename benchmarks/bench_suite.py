@@ -119,6 +119,17 @@ def suite_source(tests: int) -> str:
     return "".join(parts)
 
 
+#: What the header says of the bytecode caches: pytest rewrites the asserts of a plugin's modules (the whole
+#: package of an entry-point plugin) and caches the result beside the bytecode. Where it cannot write it
+#: (``PYTHONDONTWRITEBYTECODE``, a read-only install), every run parses and compiles again each module of the
+#: plugin it imports, and the marked runs import about a hundred more than the unmarked ones.
+CACHES_WRITTEN = "written (the warm-up round writes them; the timed rounds read them)"
+CACHES_NOT_WRITTEN = (
+    "not written (PYTHONDONTWRITEBYTECODE is set: each run compiles the plugin's modules it imports again, "
+    "with pytest's assertion rewriting; unset it to time what a run with warm caches pays)"
+)
+
+
 def write_suite(directory: str, tests: int) -> None:
     with open(os.path.join(directory, "test_suite.py"), "w") as f:
         f.write(suite_source(tests))
@@ -224,6 +235,8 @@ def main() -> int:
         print(f"{sys.executable} -m pytest, a synthetic suite of {tests} tests, {rounds} rounds"
               f"{'' if args.smoke else ' (+1 warm-up)'}, {' '.join(f'U{s} M{s}' for s in roots)} interleaved"
               " (the order reversed every other round)")
+        caches = CACHES_NOT_WRITTEN if os.environ.get("PYTHONDONTWRITEBYTECODE") else CACHES_WRITTEN
+        print(f"  bytecode caches: {caches}")
         wall, cpu = measure(directory, rounds, warmup=not args.smoke, roots=roots)
     if not args.against:
         report(wall, cpu)
