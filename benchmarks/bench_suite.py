@@ -19,6 +19,13 @@ percentile spread, and the median and spread of the per-round ratios M/U.
 
     python benchmarks/bench_suite.py [--tests 60] [--rounds 6] [--smoke]
     python benchmarks/bench_suite.py --write DIR [--tests 60]   # only write the suite (to look at its output)
+    python benchmarks/bench_suite.py --against OTHER_CHECKOUT [--rounds 6]
+
+``--against``: the same rounds for another checkout of pytest-torchperf (its
+root put first on ``PYTHONPATH``; this script's checkout likewise for its own
+runs), its ``U`` and ``M`` runs interleaved with this checkout's in every round
+(the order of the four reversed every other round); reported for each checkout,
+then the per-round ratio of this checkout's marked CPU time to the other's.
 
 ``--smoke`` (CI): 12 tests, one round, no warm-up: checks that both variants run
 and give the same outcomes (the figures mean nothing).
@@ -112,6 +119,17 @@ def suite_source(tests: int) -> str:
     return "".join(parts)
 
 
+#: What the header says of the bytecode caches: pytest rewrites the asserts of a plugin's modules (the whole
+#: package of an entry-point plugin) and caches the result beside the bytecode. Where it cannot write it
+#: (``PYTHONDONTWRITEBYTECODE``, a read-only install), every run parses and compiles again each module of the
+#: plugin it imports, and the marked runs import about a hundred more than the unmarked ones.
+CACHES_WRITTEN = "written (the warm-up round writes them; the timed rounds read them)"
+CACHES_NOT_WRITTEN = (
+    "not written (PYTHONDONTWRITEBYTECODE is set: each run compiles the plugin's modules it imports again, "
+    "with pytest's assertion rewriting; unset it to time what a run with warm caches pays)"
+)
+
+
 def write_suite(directory: str, tests: int) -> None:
     with open(os.path.join(directory, "test_suite.py"), "w") as f:
         f.write(suite_source(tests))
@@ -132,9 +150,12 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 _OUTCOMES = re.compile(r"(\d+) (passed|failed|skipped)")
 
 
-def timed(directory: str, marked: bool) -> tuple[float, float, dict[str, int]]:
-    """Wall seconds, CPU seconds (user + system of pytest and its children) and the outcome counts."""
+def timed(directory: str, marked: bool, root: str | None = None) -> tuple[float, float, dict[str, int]]:
+    """Wall seconds, CPU seconds (user + system of pytest and its children) and the outcome counts (``root``: the
+    checkout of pytest-torchperf to import, first on ``PYTHONPATH``; None: whichever is importable)."""
     env = dict(os.environ)
+    if root:
+        env["PYTHONPATH"] = os.path.abspath(root) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("PYTEST_ADDOPTS", None)
     env["BENCH_SUITE_MARKED"] = "1" if marked else "0"
     env.setdefault("OMP_NUM_THREADS", "1")  # one torch thread: the figure is the plugin's, not the pool's
@@ -155,24 +176,41 @@ def timed(directory: str, marked: bool) -> tuple[float, float, dict[str, int]]:
     return elapsed, usage.ru_utime + usage.ru_stime, outcomes
 
 
-def measure(directory: str, rounds: int, warmup: bool) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Wall and CPU seconds per round of ``U`` (unmarked) and ``M`` (marked), in A B B A order."""
-    wall: dict[str, list[float]] = {"U": [], "M": []}
-    cpu: dict[str, list[float]] = {"U": [], "M": []}
+def measure(
+    directory: str, rounds: int, warmup: bool, roots: dict[str, str | None] | None = None
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and CPU seconds per round of ``U`` (unmarked) and ``M`` (marked), in A B B A order; with ``roots``
+    (a suffix -> a checkout), of ``U<suffix>`` and ``M<suffix>`` for each checkout."""
+    roots = roots or {"": None}
+    names = [f"{variant}{suffix}" for suffix in roots for variant in ("U", "M")]
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     seen: dict[str, dict[str, int]] = {}
     for r in range(rounds + int(warmup)):
-        order = ("U", "M") if r % 2 == 0 else ("M", "U")
+        order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            elapsed, used, outcomes = timed(directory, marked=name == "M")
+            elapsed, used, outcomes = timed(directory, marked=name[0] == "M", root=roots[name[1:]])
             if seen.setdefault(name, outcomes) != outcomes:
                 raise SystemExit(f"bench_suite: {name} gave {outcomes}, then {seen[name]}")
             if r >= int(warmup):
                 wall[name].append(elapsed)
                 cpu[name].append(used)
-    if seen["U"] != seen["M"]:
-        raise SystemExit(f"bench_suite: marking changed the outcomes: unmarked {seen['U']}, marked {seen['M']}")
-    print(f"  outcomes (both variants): {', '.join(f'{n} {w}' for w, n in seen['U'].items())}")
+    for name in names:
+        if seen[name] != seen["U"]:
+            raise SystemExit(f"bench_suite: {name} changed the outcomes: {seen['U']} unmarked, {seen[name]} in {name}")
+    print(f"  outcomes (every variant): {', '.join(f'{n} {w}' for w, n in seen['U'].items())}")
     return wall, cpu
+
+
+def report(wall: dict[str, list[float]], cpu: dict[str, list[float]], suffix: str = "") -> None:
+    """Each variant's median and spread, and the per-round ratios marked / unmarked."""
+    for label, times in (("wall", wall), ("CPU", cpu)):
+        for name, title in (("U", "unmarked"), ("M", "marked  ")):
+            lo, mid, hi = quartiles(times[name + suffix])
+            print(f"  {title} {label:4}: median {mid:6.2f} s [IQR {lo:.2f}-{hi:.2f}]")
+        ratios = [m / u for m, u in zip(times["M" + suffix], times["U" + suffix])]
+        lo, mid, hi = quartiles(ratios)
+        print(f"  M/U {label:4}: median x{mid:.3f} [IQR x{lo:.3f}-x{hi:.3f}]")
 
 
 def main() -> int:
@@ -181,6 +219,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds (after one warm-up round)")
     parser.add_argument("--smoke", action="store_true", help="12 tests, one round, no warm-up (for CI)")
     parser.add_argument("--write", metavar="DIR", default="", help="only write the suite into DIR")
+    parser.add_argument("--against", metavar="CHECKOUT", default="",
+                        help="also run another checkout of pytest-torchperf, interleaved in every round")
     args = parser.parse_args()
     if args.write:
         os.makedirs(args.write, exist_ok=True)
@@ -188,18 +228,29 @@ def main() -> int:
         print(f"bench_suite: wrote {args.tests} tests to {args.write}")
         return 0
     tests, rounds = (12, 1) if args.smoke else (args.tests, args.rounds)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    roots: dict[str, str | None] = {"": here, "'": args.against} if args.against else {"": None}
     with tempfile.TemporaryDirectory(prefix="torchperf-suite-") as directory:
         write_suite(directory, tests)
         print(f"{sys.executable} -m pytest, a synthetic suite of {tests} tests, {rounds} rounds"
-              f"{'' if args.smoke else ' (+1 warm-up)'}, U M / M U interleaved")
-        wall, cpu = measure(directory, rounds, warmup=not args.smoke)
-    for label, times in (("wall", wall), ("CPU", cpu)):
-        for name, title in (("U", "unmarked"), ("M", "marked  ")):
-            lo, mid, hi = quartiles(times[name])
-            print(f"  {title} {label:4}: median {mid:6.2f} s [IQR {lo:.2f}-{hi:.2f}]")
-        ratios = [m / u for m, u in zip(times["M"], times["U"])]
-        lo, mid, hi = quartiles(ratios)
-        print(f"  M/U {label:4}: median x{mid:.3f} [IQR x{lo:.3f}-x{hi:.3f}]")
+              f"{'' if args.smoke else ' (+1 warm-up)'}, {' '.join(f'U{s} M{s}' for s in roots)} interleaved"
+              " (the order reversed every other round)")
+        caches = CACHES_NOT_WRITTEN if os.environ.get("PYTHONDONTWRITEBYTECODE") else CACHES_WRITTEN
+        print(f"  bytecode caches: {caches}")
+        wall, cpu = measure(directory, rounds, warmup=not args.smoke, roots=roots)
+    if not args.against:
+        report(wall, cpu)
+        return 0
+    for suffix, root in roots.items():
+        print(f"this checkout, {root}:" if not suffix else f"the other checkout (') {root}:")
+        report(wall, cpu, suffix)
+    ratios = [m / other for m, other in zip(cpu["M"], cpu["M'"])]
+    lo, mid, hi = quartiles(ratios)
+    print(f"  M/M' CPU (this checkout's marked suite against the other's): median x{mid:.3f} [IQR x{lo:.3f}-x{hi:.3f}]")
+    extra = [(m - u) / ((m2 - u2) or float("nan")) for m, u, m2, u2 in zip(cpu["M"], cpu["U"], cpu["M'"], cpu["U'"])]
+    lo, mid, hi = quartiles(extra)
+    print(f"  (M-U)/(M'-U') CPU (the extra of marking, this checkout's over the other's): median x{mid:.3f} "
+          f"[IQR x{lo:.3f}-x{hi:.3f}]")
     return 0
 
 

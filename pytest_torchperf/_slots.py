@@ -223,10 +223,11 @@ class SlotGuard:
             return False
         for cls in classes:
             saved = self._saved.get(cls)
-            if saved is None or _addresses(cls).keys() != saved.keys():
+            addresses = _addresses(cls)
+            if saved is None or addresses.keys() != saved.keys():
                 return False
             for which, (address, data) in saved.items():
-                if _addresses(cls)[which] != address or ctypes.string_at(address, len(data)) != data:
+                if addresses[which] != address or ctypes.string_at(address, len(data)) != data:
                     return False
         return True
 
@@ -293,8 +294,9 @@ class SlotGuard:
                 continue
             saved = self._saved.get(cls)
             if saved is not None:
+                addresses = _addresses(cls)
                 for which, (address, data) in saved.items():
-                    if _addresses(cls).get(which) == address and ctypes.string_at(address, len(data)) != data:
+                    if addresses.get(which) == address and ctypes.string_at(address, len(data)) != data:
                         ctypes.memmove(address, data, len(data))
             else:  # created while patched: the twin slots its base had, unless it defines the name itself
                 self.adopt(cls)

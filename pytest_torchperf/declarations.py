@@ -12,6 +12,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from collections.abc import Iterable, Mapping
@@ -55,10 +56,17 @@ def event_parameters(declared: EventDeclaration) -> tuple[str, ...]:
     return tuple(p.strip() for p in found.group(1).split(",") if p.strip())
 
 
+@functools.cache
+def _builtin_events() -> dict[str, tuple[str, ...]]:
+    """The events of :class:`~pytest_torchperf.core.Events` -> the arguments their handlers receive (read once:
+    the class is this package's own)."""
+    return {name: event_parameters(getattr(Events, name)) for name in EVENTS}
+
+
 def _events(extra: Union[Mapping[str, EventDeclaration], Iterable[str]]) -> dict[str, tuple[str, ...]]:
     """Every known event -> the arguments its handlers receive: :class:`~pytest_torchperf.core.Events`, then
     the events a probe declares (a name alone, from an older probe, receives what a call passes: not checked)."""
-    known: dict[str, Any] = {name: event_parameters(getattr(Events, name)) for name in EVENTS}
+    known: dict[str, Any] = dict(_builtin_events())
     items = extra.items() if isinstance(extra, Mapping) else ((name, None) for name in extra)
     for name, declared in items:
         if name not in known:

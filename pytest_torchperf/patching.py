@@ -244,6 +244,12 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _transparent(owner: Any, original: Any) -> bool:
+    """Whether a wrapper of ``owner.<name>`` (now ``original``) is held by a :class:`._transparent.Transparent`:
+    a function set on a module."""
+    return isinstance(owner, ModuleType) and not isinstance(original, type)
+
+
 class Patcher:
     """Collects undo actions; :meth:`undo` runs them newest first, once."""
 
@@ -348,16 +354,15 @@ class Patcher:
         wrapper: it compares equal to the function and hashes alike (``op == torch.lt`` keeps its answer).
         """
         original = getattr(owner, name)
-        transparent = isinstance(owner, ModuleType) and not isinstance(original, type)
         scope = self._reuse
         if scope is None:
-            return self.setattr(owner, name, self._made(make, original, transparent))
+            return self.setattr(owner, name, self._made(make, original, _transparent(owner, original)))
         key = (scope, id(owner), name)
         kept = _KEPT.get(key)
         if kept is not None and kept[0] is owner and kept[1] is original:
             wrapper = kept[2]
         else:
-            wrapper = self._made(make, original, transparent)
+            wrapper = self._made(make, original, _transparent(owner, original))
             _KEPT[key] = (owner, original, wrapper)
         return self.setattr(owner, name, wrapper)
 

@@ -24,6 +24,7 @@ by name, so this module imports none of them, and nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import sys
 from collections.abc import Iterable
@@ -120,26 +121,42 @@ class Invariant:
 
 
 class _Registry:
+    """The invariants and the tables built from them, each built once per registry state.
+
+    The state changes only through :meth:`register` and :meth:`unregister`, which drop the tables: the next
+    read builds them again (a plug-in registered after the first watched test is known from then on).
+    """
+
     def __init__(self) -> None:
         self._invariants: Optional[dict[str, Invariant]] = None
         self._extra: dict[str, Invariant] = {}
+        #: The built-in and entry-point invariants, then the registered ones (validated once, when registered).
+        self._all: Optional[dict[str, Invariant]] = None
         self._arguments: Optional[dict[str, tuple[Argument, Optional[Invariant]]]] = None
         self._spellings: dict[str, str] = {}
         self._ambiguous: dict[str, list[str]] = {}
 
+    def table(self) -> dict[str, Invariant]:
+        """Every invariant by name: the registry's own table (read it, never change it)."""
+        if self._all is None:
+            if self._invariants is None:
+                found: dict[str, Invariant] = {}
+                for name in BUILTIN:
+                    module = importlib.import_module(f"pytest_torchperf.invariants.{name}")
+                    # This package's own declarations are held valid by its tests (``_validate`` of each, as a
+                    # plug-in's is validated here): not validated again in every process that watches a test.
+                    _add(found, module.INVARIANT, f"pytest_torchperf.invariants.{name}", validate=False)
+                for source, invariant in _from_entry_points():
+                    _add(found, invariant, source)
+                self._invariants = found
+            merged = dict(self._invariants)
+            for invariant in self._extra.values():
+                _add(merged, invariant, "register()")
+            self._all = merged
+        return self._all
+
     def invariants(self) -> dict[str, Invariant]:
-        if self._invariants is None:
-            found: dict[str, Invariant] = {}
-            for name in BUILTIN:
-                module = importlib.import_module(f"pytest_torchperf.invariants.{name}")
-                _add(found, module.INVARIANT, f"pytest_torchperf.invariants.{name}")
-            for source, invariant in _from_entry_points():
-                _add(found, invariant, source)
-            self._invariants = found
-        out = dict(self._invariants)
-        for invariant in self._extra.values():
-            _add(out, invariant, "register()")
-        return out
+        return dict(self.table())
 
     def arguments(self) -> dict[str, tuple[Argument, Optional[Invariant]]]:
         """Every argument, in the marker's order: the invariants, ``scope``, then their settings.
@@ -148,7 +165,7 @@ class _Registry:
         declarer among plug-ins), else ``<invariant>__<setting>`` (see :func:`spelling`).
         """
         if self._arguments is None:
-            invariants = self.invariants()
+            invariants = self.table()
             args: dict[str, tuple[Argument, Optional[Invariant]]] = {}
             for inv in invariants.values():
                 args[inv.name] = (inv.argument, inv)
@@ -197,13 +214,18 @@ class _Registry:
 
     def register(self, invariant: Invariant) -> None:
         _validate(invariant, "register()")
-        if invariant.name in self.invariants():
+        if invariant.name in self.table():
             raise UsageError(f"pytest-torchperf: an invariant named {invariant.name!r} is already registered")
         self._extra[invariant.name] = invariant
-        self._arguments = None
+        self._changed()
 
     def unregister(self, name: str) -> None:
         self._extra.pop(name, None)
+        self._changed()
+
+    def _changed(self) -> None:
+        """The set of invariants changed: every table built from it is built again when next read."""
+        self._all = None
         self._arguments = None
 
 
@@ -229,8 +251,9 @@ def _validate(invariant: Any, source: str) -> None:
     _figures.validate(invariant.figures, source, invariant.name)
 
 
-def _add(found: dict[str, Invariant], invariant: Any, source: str) -> None:
-    _validate(invariant, source)
+def _add(found: dict[str, Invariant], invariant: Any, source: str, validate: bool = True) -> None:
+    if validate:
+        _validate(invariant, source)
     if invariant.name in found or invariant.name == SCOPE.name:
         raise UsageError(
             f"pytest-torchperf: {source} registers the invariant {invariant.name!r}, which is already registered"
@@ -270,7 +293,7 @@ def invariants() -> dict[str, Invariant]:
 
 
 def get(name: str) -> Invariant:
-    return _REGISTRY.invariants()[name]
+    return _REGISTRY.table()[name]
 
 
 def all_arguments() -> dict[str, tuple[Argument, Optional[Invariant]]]:
@@ -311,7 +334,7 @@ def make_checks(run: Any) -> dict[str, Any]:
     verdicts when a probe fails); every invariant depends on the Lightning observer.
     """
     checks: dict[str, Any] = {}
-    registered = invariants()
+    registered = _REGISTRY.table()
     for name in run.options.enabled_checks:
         invariant = registered[name]
         run._building = name  # ``Check.settings`` inside the check's constructor
@@ -355,7 +378,7 @@ def probes_for(names: Iterable[str]) -> list[Any]:
         seen.add(probe.name)
         ordered.append(probe)
 
-    registered = invariants()
+    registered = _REGISTRY.table()
     for name in names:
         for ref in registered[name].probes:
             visit(ref)
@@ -416,11 +439,14 @@ def _builtin_class(name: str) -> type:
     return found[0]
 
 
-def _builtin_probe_names() -> list[str]:
+@functools.cache
+def _builtin_probe_names() -> tuple[str, ...]:
+    """The built-in probes' names: the package's modules, listed once per process (a plug-in's probe is no
+    module of it)."""
     import pkgutil
 
     package = importlib.import_module("pytest_torchperf.probes")
-    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")))
 
 
 def _resolve_probe(ref: Union[str, Any], where: str) -> Any:

@@ -250,6 +250,39 @@ def test_a_stopped_run_is_not_kept_alive_by_torchperf(tmp_path) -> None:  # type
     assert [ref() for ref in refs] == [None] * len(refs)
 
 
+def test_the_loaders_probe_forgets_the_logs_of_runs_that_are_over_while_their_reports_live_on() -> None:
+    """A marked test's report keeps its run for the session; the next watch's loaders probe keeps no log of it,
+    and a finished run's check that read every batch leaves the batches unread by a later watch that does not."""
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2)), batch_size=4)
+    kept = []
+    for kwargs in (dict(pin_memory=True), {}, {}):  # pin_memory reads every batch; the defaults do not
+        with watch(**kwargs) as run:
+            probe = run.probe("loaders")
+            assert list(probe.logs) == [run] and probe.batching == ("pin_memory" in kwargs)
+            for (batch,) in loader:
+                with run.step():
+                    batch.sum()
+        kept.append(run)  # as a test's report keeps it
+    assert all(run.report is not None and run.report.passed for run in kept)
+    assert len(probe.logs) == 0 and not probe.batching
+
+
+def test_the_batches_probe_forgets_the_runs_that_timed_every_batch_once_they_are_over() -> None:
+    """max_data_wait's runs time every batch; a later watch without it times only each pass's first batch."""
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2)), batch_size=4)
+    kept = []
+    for kwargs in (dict(max_data_wait=1.0), dict(max_data_wait=1.0), {}):
+        with watch(**kwargs) as run:
+            probe = run.probe("batches")
+            assert list(probe.every_batch) == list(probe.listeners) == ([run] if kwargs else [])
+            for (batch,) in loader:
+                with run.step():
+                    batch.sum()
+            assert probe.latest_pass(loader).every_batch == bool(kwargs)  # type: ignore[union-attr]
+        kept.append(run)  # as a test's report keeps it
+    assert all(run.report is not None and run.report.passed for run in kept)
+
+
 def test_marked_steps_nested_inside_a_batch_or_alone_keep_the_scope_and_the_counts(polled: dict[str, bool]) -> None:
     polled["on"] = True
     with watch(polled=True) as run:

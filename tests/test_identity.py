@@ -272,3 +272,30 @@ def test_early_stopping_after_warm_up_steps_stops_at_the_same_epoch_watched_and_
     unwatched = fit(False)
     assert unwatched == 6  # best at epoch 3, two epochs of patience
     assert fit(True) == unwatched
+
+
+def test_a_tensor_method_added_after_a_watched_loop_is_followed_by_the_next_watch() -> None:
+    """The names of the followed Tensor methods are read once per set of names Tensor's classes hold."""
+
+    def loop(run: Any) -> None:
+        x = torch.randn(4, 2)  # a host tensor built by the loop's code: the followed operations are put in
+        with run.step():
+            (x * 2).sum()
+
+    with watch() as run:
+        loop(run)
+
+    def scaled(self: torch.Tensor) -> torch.Tensor:
+        return self * 3
+
+    torch.Tensor.scaled = scaled  # type: ignore[attr-defined]  # a library adds a method between two tests
+    try:
+        with watch() as run:
+            loop(run)
+            during = torch.Tensor.scaled  # type: ignore[attr-defined]
+        assert during is not scaled and torch.Tensor.scaled is scaled  # type: ignore[attr-defined]
+    finally:
+        del torch.Tensor.scaled  # type: ignore[attr-defined]
+    with watch() as run:
+        loop(run)
+    assert not hasattr(torch.Tensor, "scaled")

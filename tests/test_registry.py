@@ -219,3 +219,100 @@ def test_an_event_s_declared_signature_is_what_the_reference_lists() -> None:
     for name, text in EVENTS.items():
         params = list(inspect.signature(getattr(Events, name)).parameters)[1:]
         assert text.startswith(f"({', '.join(params)}): ")
+
+
+_LATE_PLUGIN = '''
+import pytest
+
+from pytest_torchperf.extend import Argument, Check, CheckResult, Integer, Invariant, register, unregister
+
+
+class SeesItsSetting(Check):
+    def result(self) -> CheckResult:
+        late = self.run.options.late_setting
+        return CheckResult("late_invariant", "passed", f"late_setting={late}", 0, [], {"late_setting": late})
+
+
+LATE = Invariant(
+    name="late_invariant",
+    doc="registered after the first watched test",
+    check=SeesItsSetting,
+    arguments=(Argument("late_setting", Integer(minimum=1, optional=False), 1, "a setting of its own"),),
+)
+
+
+@pytest.mark.torchperf
+def test_a_watched_test_loads_the_registry():
+    pass
+
+
+def test_a_plugin_registers_its_invariant():
+    register(LATE)
+
+
+@pytest.mark.torchperf(late_invariant=True, late_setting=3)
+def test_the_marker_accepts_it():
+    pass
+
+
+def test_the_plugin_unregisters_it():
+    unregister("late_invariant")
+
+
+@pytest.mark.torchperf(late_invariant=True)
+def test_the_marker_refuses_it_again():
+    pass
+'''
+
+
+def test_an_invariant_registered_after_the_first_watched_test_is_known_from_then_on(pytester: pytest.Pytester) -> None:
+    """The registry's tables are built once and kept: registering (and unregistering) builds them again."""
+    import json
+
+    pytester.makepyfile(test_late=_LATE_PLUGIN)
+    try:
+        result = pytester.runpytest("-p", "no:randomly", "--torchperf-json=out.json")
+    finally:
+        unregister("late_invariant")  # whatever the inner run left
+    result.assert_outcomes(passed=4, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*ERROR at setup of test_the_marker_refuses_it_again*", "*got an unknown argument 'late_invariant'*"]
+    )
+    tests = {t["nodeid"].split("::")[-1]: t for t in json.loads((pytester.path / "out.json").read_text())["tests"]}
+    (run,) = tests["test_the_marker_accepts_it"]["runs"]
+    assert run["options"]["late_invariant"] is True and run["options"]["late_setting"] == 3
+    assert run["checks"]["late_invariant"]["summary"] == "late_setting=3"
+    assert "late_invariant" not in tests["test_a_watched_test_loads_the_registry"]["runs"][0]["options"]
+
+
+def test_the_registry_loads_without_max_overhead_s_replay_and_timing_modules() -> None:
+    """``max_overhead``'s check is made by a factory: its modules load when a run first checks it."""
+    code = textwrap.dedent(
+        """
+        import sys
+        from pytest_torchperf import options, registry
+        registry.all_arguments()
+        options.parse_options({"max_overhead": 0.1})
+        print(sorted(m for m in sys.modules if m.startswith(("pytest_torchperf.overhead", "pytest_torchperf.timing"))))
+        """
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
+
+
+def test_every_built_in_declaration_passes_the_validation_a_plug_in_s_gets() -> None:
+    """The registry does not validate this package's own declarations in every process: this test does."""
+    for name in registry.BUILTIN:
+        registry._validate(registry.get(name), f"pytest_torchperf.invariants.{name}")
+
+
+def test_every_built_in_check_s_handlers_take_what_their_events_send() -> None:
+    """As at registration, for the one built-in check made by a factory too (verified when first made)."""
+    from pytest_torchperf.declarations import verify_handlers
+    from pytest_torchperf.overhead.check import OverheadCheck
+
+    made_by_factories = {"max_overhead": OverheadCheck}
+    for name in registry.BUILTIN:
+        invariant = registry.get(name)
+        check = invariant.check if isinstance(invariant.check, type) else made_by_factories[name]
+        verify_handlers(check, f"built-in {name}", registry._probe_events(invariant))
+    assert [n for n in registry.BUILTIN if not isinstance(registry.get(n).check, type)] == list(made_by_factories)

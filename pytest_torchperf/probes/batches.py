@@ -33,7 +33,7 @@ import mmap
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import frameworks
+from .. import core, frameworks
 from ..clocks import perf_counter as _perf_counter
 from ..core import FLAGS
 from ..patching import wraps
@@ -180,6 +180,13 @@ class BatchesProbe(Probe):
         self.timed.clear()
         self.fetching = None
         self.forking = -1
+        # Runs that are over are forgotten (their checks hold their own lists): a test's report keeps its run for
+        # the session, and every pass of a later watch went through each of them.
+        active = core.active_runs()
+        for run in [run for run in self.listeners if run not in active]:
+            del self.listeners[run]
+        for run in [run for run in self.every_batch if run not in active]:
+            self.every_batch.discard(run)
 
     # -- what checks read -----------------------------------------------------------------
     def every_batch_for(self, run: Run) -> list[tuple[LoaderInfo, Pass]]:

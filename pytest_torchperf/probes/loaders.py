@@ -240,6 +240,11 @@ class LoadersProbe(Probe):
         self.created.clear()
         self.built_by.clear()
         self.loader_of.clear()
+        # The logs of runs that are over go (their checks hold their own): kept, every finished run of the session
+        # (a test's report keeps it) made each later watch's reset longer and kept ``batching`` on.
+        active = core.active_runs()
+        for run in [run for run in self.logs if run not in active]:
+            del self.logs[run]
         self.batching = any(log.batches for log in self.logs.values())
 
     def log_for(self, run: Run, batches: bool = False) -> LoaderLog:
