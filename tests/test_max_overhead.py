@@ -978,38 +978,19 @@ def test_slow_hook_fails_at_30_percent_and_is_named_in_the_report(heavy: pytest.
     )
 
 
-def test_epochs_timed_over_half_their_batches_say_so_in_the_report_and_the_json(pytester: pytest.Pytester) -> None:
+def test_epochs_timed_over_half_their_batches_say_so_in_the_report_and_the_json(
+    user_models: pytest.Pytester,
+) -> None:
     source = """
         import pytest
-        import torch
-        from torch.utils.data import DataLoader, TensorDataset
-
-        try:
-            import pytorch_lightning as pl
-        except ImportError:  # pragma: no cover
-            import lightning.pytorch as pl
+        from torchperf_models import TinyModule, make_loader, make_trainer
 
 
-        class Tiny(pl.LightningModule):  # Lightning adds far more than 1% to its tiny step
-            def __init__(self):
-                super().__init__()
-                self.layer = torch.nn.Linear(8, 1)
-
-            def training_step(self, batch, batch_idx):
-                x, y = batch
-                return torch.nn.functional.mse_loss(self.layer(x), y)
-
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-        @pytest.mark.torchperf(max_overhead=0.01, OTHERS_OFF)
+        @pytest.mark.torchperf(max_overhead=0.01, OTHERS_OFF)  # Lightning adds far more than 1% to its tiny step
         def test_fit(tmp_path):
-            data = TensorDataset(torch.randn(8 * 20, 8), torch.randn(8 * 20, 1))
-            trainer = pl.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                 enable_model_summary=False, default_root_dir=str(tmp_path))
-            trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+            make_trainer(tmp_path, max_epochs=2).fit(TinyModule(), make_loader(num_workers=0, n=8 * 20))
         """
+    pytester = user_models
     pytester.makepyfile(test_cut=marked(source))
     result = pytester.runpytest("--torchperf-json=out.json")
     result.assert_outcomes(failed=1)
