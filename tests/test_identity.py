@@ -299,3 +299,36 @@ def test_a_tensor_method_added_after_a_watched_loop_is_followed_by_the_next_watc
     with watch() as run:
         loop(run)
     assert not hasattr(torch.Tensor, "scaled")
+
+
+def test_a_tensor_method_taken_away_and_another_added_is_not_confused_with_it() -> None:
+    """One library's method gone and another's added leave as many names as before: the next watch follows the
+    new one and does not look for the old one (a watch once reported its probe broken, in whichever test ran
+    after the one that took its method away)."""
+
+    def loop(run: Any) -> None:
+        x = torch.randn(4, 2)
+        with run.step():
+            (x * 2).sum()
+
+    def scaled(self: torch.Tensor) -> torch.Tensor:
+        return self * 3
+
+    def shifted(self: torch.Tensor) -> torch.Tensor:
+        return self + 3
+
+    torch.Tensor.scaled = scaled  # type: ignore[attr-defined]
+    try:
+        with watch() as run:
+            loop(run)
+    finally:
+        del torch.Tensor.scaled  # type: ignore[attr-defined]
+    torch.Tensor.shifted = shifted  # type: ignore[attr-defined]
+    try:
+        with watch() as run:
+            loop(run)
+            during = torch.Tensor.shifted  # type: ignore[attr-defined]
+        assert not run.report.internal_errors
+        assert during is not shifted and torch.Tensor.shifted is shifted  # type: ignore[attr-defined]
+    finally:
+        del torch.Tensor.shifted  # type: ignore[attr-defined]

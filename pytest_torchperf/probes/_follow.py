@@ -86,9 +86,11 @@ def method_names(tensor_type: Any, skip: frozenset[str] | set[str]) -> list[str]
     """The public, non in-place Tensor methods to wrap (the ones returning a new tensor).
 
     Read from ``dir(tensor_type)`` once for each set of names its classes hold (about 0.2 ms, and every watch
-    of a training loop asks): a name added to or taken from any class of its MRO reads them again.
+    of a training loop asks): a name added to or taken from any class of its MRO reads them again. The key
+    holds the names themselves, not how many there are: one library's method added after another test took
+    its own away leaves the count as it was.
     """
-    key = (tensor_type, frozenset(skip), tuple(len(vars(cls)) for cls in tensor_type.__mro__))
+    key = (tensor_type, frozenset(skip), tuple(tuple(vars(cls)) for cls in tensor_type.__mro__))
     found = _METHOD_NAMES.get(key)
     if found is None:
         if len(_METHOD_NAMES) > 64:  # each set of patches in place when asked is one key: bounded all the same
@@ -97,8 +99,8 @@ def method_names(tensor_type: Any, skip: frozenset[str] | set[str]) -> list[str]
     return list(found)
 
 
-#: (Tensor type, names skipped, the sizes of its classes' namespaces) -> the names :func:`method_names` found.
-_METHOD_NAMES: dict[tuple[Any, frozenset[str], tuple[int, ...]], tuple[str, ...]] = {}
+#: (Tensor type, names skipped, the names its classes hold) -> the names :func:`method_names` found.
+_METHOD_NAMES: dict[tuple[Any, frozenset[str], tuple[tuple[str, ...], ...]], tuple[str, ...]] = {}
 
 
 def _method_names(tensor_type: Any, skip: frozenset[str] | set[str]) -> list[str]:
