@@ -274,30 +274,32 @@ def test_early_stopping_after_warm_up_steps_stops_at_the_same_epoch_watched_and_
     assert fit(True) == unwatched
 
 
+def _host_tensor_loop(run: Any) -> None:
+    x = torch.randn(4, 2)  # a host tensor built by the loop's code: the followed operations are put in
+    with run.step():
+        (x * 2).sum()
+
+
+def _scaled(self: torch.Tensor) -> torch.Tensor:  # a method a library adds to Tensor
+    return self * 3
+
+
 def test_a_tensor_method_added_after_a_watched_loop_is_followed_by_the_next_watch() -> None:
     """The names of the followed Tensor methods are read once per set of names Tensor's classes hold."""
 
-    def loop(run: Any) -> None:
-        x = torch.randn(4, 2)  # a host tensor built by the loop's code: the followed operations are put in
-        with run.step():
-            (x * 2).sum()
-
     with watch() as run:
-        loop(run)
+        _host_tensor_loop(run)
 
-    def scaled(self: torch.Tensor) -> torch.Tensor:
-        return self * 3
-
-    torch.Tensor.scaled = scaled  # type: ignore[attr-defined]  # a library adds a method between two tests
+    torch.Tensor.scaled = _scaled  # type: ignore[attr-defined]  # a library adds a method between two tests
     try:
         with watch() as run:
-            loop(run)
+            _host_tensor_loop(run)
             during = torch.Tensor.scaled  # type: ignore[attr-defined]
-        assert during is not scaled and torch.Tensor.scaled is scaled  # type: ignore[attr-defined]
+        assert during is not _scaled and torch.Tensor.scaled is _scaled  # type: ignore[attr-defined]
     finally:
         del torch.Tensor.scaled  # type: ignore[attr-defined]
     with watch() as run:
-        loop(run)
+        _host_tensor_loop(run)
     assert not hasattr(torch.Tensor, "scaled")
 
 
@@ -306,27 +308,19 @@ def test_a_tensor_method_taken_away_and_another_added_is_not_confused_with_it() 
     new one and does not look for the old one (a watch once reported its probe broken, in whichever test ran
     after the one that took its method away)."""
 
-    def loop(run: Any) -> None:
-        x = torch.randn(4, 2)
-        with run.step():
-            (x * 2).sum()
-
-    def scaled(self: torch.Tensor) -> torch.Tensor:
-        return self * 3
-
     def shifted(self: torch.Tensor) -> torch.Tensor:
         return self + 3
 
-    torch.Tensor.scaled = scaled  # type: ignore[attr-defined]
+    torch.Tensor.scaled = _scaled  # type: ignore[attr-defined]
     try:
         with watch() as run:
-            loop(run)
+            _host_tensor_loop(run)
     finally:
         del torch.Tensor.scaled  # type: ignore[attr-defined]
     torch.Tensor.shifted = shifted  # type: ignore[attr-defined]
     try:
         with watch() as run:
-            loop(run)
+            _host_tensor_loop(run)
             during = torch.Tensor.shifted  # type: ignore[attr-defined]
         assert not run.report.internal_errors
         assert during is not shifted and torch.Tensor.shifted is shifted  # type: ignore[attr-defined]
