@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pytest_torchperf import watch
-from pytest_torchperf.core import FLAGS, active_runs
+from pytest_torchperf.core import FLAGS, Run, active_runs
 from pytest_torchperf.engine import ENGINE
 from pytest_torchperf.extend import Check, CheckResult, Invariant, Probe, Status, register, unregister
 from pytest_torchperf.watching import installed_probes
@@ -250,6 +250,12 @@ def test_a_stopped_run_is_not_kept_alive_by_torchperf(tmp_path) -> None:  # type
     assert [ref() for ref in refs] == [None] * len(refs)
 
 
+def _steps_over(run: Run, loader: torch.utils.data.DataLoader) -> None:  # type: ignore[type-arg]
+    for (batch,) in loader:
+        with run.step():
+            batch.sum()
+
+
 def test_the_loaders_probe_forgets_the_logs_of_runs_that_are_over_while_their_reports_live_on() -> None:
     """A marked test's report keeps its run for the session; the next watch's loaders probe keeps no log of it,
     and a finished run's check that read every batch leaves the batches unread by a later watch that does not."""
@@ -259,9 +265,7 @@ def test_the_loaders_probe_forgets_the_logs_of_runs_that_are_over_while_their_re
         with watch(**kwargs) as run:
             probe = run.probe("loaders")
             assert list(probe.logs) == [run] and probe.batching == ("pin_memory" in kwargs)
-            for (batch,) in loader:
-                with run.step():
-                    batch.sum()
+            _steps_over(run, loader)
         kept.append(run)  # as a test's report keeps it
     assert all(run.report is not None and run.report.passed for run in kept)
     assert len(probe.logs) == 0 and not probe.batching
@@ -275,9 +279,7 @@ def test_the_batches_probe_forgets_the_runs_that_timed_every_batch_once_they_are
         with watch(**kwargs) as run:
             probe = run.probe("batches")
             assert list(probe.every_batch) == list(probe.listeners) == ([run] if kwargs else [])
-            for (batch,) in loader:
-                with run.step():
-                    batch.sum()
+            _steps_over(run, loader)
             assert probe.latest_pass(loader).every_batch == bool(kwargs)  # type: ignore[union-attr]
         kept.append(run)  # as a test's report keeps it
     assert all(run.report is not None and run.report.passed for run in kept)

@@ -30,7 +30,7 @@ for its lifetime, and hands it the instances of the probes it needs
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from ..patching import Patcher
 
 __all__ = [
-    "ModuleProbe", "Probe", "accelerator_available", "cuda_available", "guard", "is_compiling_function",
-    "relocate_warnings",
+    "ModuleProbe", "Probe", "accelerator_available", "cuda_available", "finished_runs", "guard",
+    "is_compiling_function", "relocate_warnings",
 ]
 
 
@@ -95,6 +95,14 @@ class Probe:
 
     def __repr__(self) -> str:
         return f"<torchperf probe {self.name}>"
+
+
+def finished_runs(table: Iterable[core.Run]) -> list[core.Run]:
+    """The runs of a probe's table (a weak dict or set keyed by run) that are no longer watching: to forget at a
+    reset. A test's report keeps its run for the session, so a finished run left in such a table made every
+    later watch go through it (quadratic in the watched tests); its check holds what it needs of its own."""
+    active = core.active_runs()
+    return [run for run in table if run not in active]
 
 
 def is_compiling_function() -> Callable[[], bool]:

@@ -33,11 +33,11 @@ import mmap
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import core, frameworks
+from .. import frameworks
 from ..clocks import perf_counter as _perf_counter
 from ..core import FLAGS
 from ..patching import wraps
-from . import Probe
+from . import Probe, finished_runs
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -180,12 +180,9 @@ class BatchesProbe(Probe):
         self.timed.clear()
         self.fetching = None
         self.forking = -1
-        # Runs that are over are forgotten (their checks hold their own lists): a test's report keeps its run for
-        # the session, and every pass of a later watch went through each of them.
-        active = core.active_runs()
-        for run in [run for run in self.listeners if run not in active]:
+        for run in finished_runs(self.listeners):
             del self.listeners[run]
-        for run in [run for run in self.every_batch if run not in active]:
+        for run in finished_runs(self.every_batch):
             self.every_batch.discard(run)
 
     # -- what checks read -----------------------------------------------------------------

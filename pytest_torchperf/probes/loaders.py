@@ -32,7 +32,7 @@ from .. import core, frameworks
 from ..core import FLAGS
 from ..patching import wraps
 from ..stacks import Stack, capture
-from . import Probe, record_creation
+from . import Probe, finished_runs, record_creation
 
 if TYPE_CHECKING:
     from ..core import Run
@@ -240,10 +240,7 @@ class LoadersProbe(Probe):
         self.created.clear()
         self.built_by.clear()
         self.loader_of.clear()
-        # The logs of runs that are over go (their checks hold their own): kept, every finished run of the session
-        # (a test's report keeps it) made each later watch's reset longer and kept ``batching`` on.
-        active = core.active_runs()
-        for run in [run for run in self.logs if run not in active]:
+        for run in finished_runs(self.logs):  # a finished run's log would keep ``batching`` on, too
             del self.logs[run]
         self.batching = any(log.batches for log in self.logs.values())
 
