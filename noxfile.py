@@ -219,7 +219,8 @@ def tests(session: nox.Session) -> None:
     # environments have none of their own).
     install_editable(session, TORCH, "pip", target=".[test]")
     check_torch(session)
-    args = session.posargs or ["-n", os.environ.get("TORCHPERF_WORKERS", "2"), "-rs"]  # -rs: why each skip
+    # -rfEs: name each failed and errored test, and say why each test was skipped, in the summary.
+    args = session.posargs or ["-n", os.environ.get("TORCHPERF_WORKERS", "2"), "-rfEs"]
     legacy = Path(session.virtualenv.location).parent  # type: ignore[union-attr]
     # Exit code 5 (no test selected: a -k that matches nothing) is not a failure of the suite.
     session.run("python", "-m", "pytest", *args, success_codes=[0, 5],
