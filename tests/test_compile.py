@@ -380,3 +380,15 @@ def test_clean_compiled_code_reused_from_an_earlier_run_passes() -> None:
     result = report_of(_bare_loop(model, compiled)).checks["no_graph_breaks"]
     assert result.status == PASSED, result.summary
     assert result.summary.startswith("compiled code reused from before the watch")
+
+
+def test_a_compiled_module_called_in_two_watches_is_judged_in_each() -> None:
+    """What a step's compiled functions hold is read once per watch: a second test calling the same compiled
+    module, or a new one that took a freed one's id, is judged like the first, not "nothing was compiled"."""
+    model = _Printing()
+    compiled = torch.compile(model, backend="eager")
+    for watch_number in (1, 2, 3):
+        result = report_of(_bare_loop(model, compiled)).checks["no_graph_breaks"]
+        assert result.status == FAILED, (watch_number, result.summary)
+        (finding,) = result.findings
+        assert finding.sites[0].frame.source == 'print("forward")  # the break'

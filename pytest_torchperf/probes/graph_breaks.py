@@ -90,6 +90,17 @@ class GraphBreaksProbe(ModuleProbe):
     #: Compiles are counted by the recompiles probe's compile-start callback.
     needs = ("recompiles",)
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: The compiled functions a step of this watch called, read once each: id -> the function (kept, so
+        #: that no other function can take its id while the watch lasts). The watch's own: kept by the wrapper,
+        #: which later watches reuse, a second test calling the same compiled module was "nothing compiled".
+        self.read: dict[int, Any] = {}
+
+    def reset(self) -> None:
+        super().reset()
+        self.read.clear()
+
     def _attach(self, patcher: Patcher, symbolic_convert: Any) -> None:
         translator = getattr(symbolic_convert, "InstructionTranslatorBase", None)
         self.attached = callable(getattr(translator, "log_graph_break", None))
@@ -138,7 +149,7 @@ class GraphBreaksProbe(ModuleProbe):
             return
         flags = FLAGS
         probe = self
-        done: set[int] = set()
+        read = self.read
 
         def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             @wraps(original)
@@ -148,8 +159,8 @@ class GraphBreaksProbe(ModuleProbe):
                         caller = caller_frame()  # dynamo's compile_wrapper, past the engine's guard
                         if caller.f_code.co_name == "compile_wrapper":
                             fn = caller.f_locals.get("fn")
-                            if fn is not None and id(fn) not in done:
-                                done.add(id(fn))
+                            if fn is not None and read.get(id(fn)) is not fn:
+                                read[id(fn)] = fn
                                 probe._compiled_call(fn)
                     except Exception as err:  # noqa: BLE001 - never into dynamo or the user's code
                         probe.failed(err)
