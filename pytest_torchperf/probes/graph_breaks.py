@@ -93,8 +93,9 @@ class GraphBreaksProbe(ModuleProbe):
     def __init__(self) -> None:
         super().__init__()
         #: The compiled functions a step of this watch called, read once each: id -> the function (kept, so
-        #: that no other function can take its id while the watch lasts). The watch's own: kept by the wrapper,
-        #: which later watches reuse, a second test calling the same compiled module was "nothing compiled".
+        #: that no other function can take its id while the watch lasts). Cleared at each reset: a table of
+        #: the wrapper's own outlived the watch (later watches reuse the wrapper), and a second test calling
+        #: the same compiled module had nothing read ("nothing was compiled").
         self.read: dict[int, Any] = {}
 
     def reset(self) -> None:
