@@ -37,6 +37,8 @@ a usage error).
 from __future__ import annotations
 
 import importlib
+import sys
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import clocks  # noqa: F401 - first: the clock functions are bound before any test can patch them
@@ -95,11 +97,53 @@ _MOVED_TO_EXTEND = frozenset(
 )
 
 
+_PACKAGE = sys.modules[__name__]
+#: Package name -> (the package, the size of its namespace, its submodules and whether each is a package) when
+#: last read.
+_SUBMODULES: dict[str, tuple[ModuleType, int, list[tuple[str, ModuleType, bool]]]] = {}
+
+
+def _rejoin_modules() -> None:
+    """Put back in ``sys.modules`` this package's modules that were taken out of it while in use.
+
+    An in-process pytest session (pytester's ``runpytest``) restores ``sys.modules`` when it ends: every module
+    first imported during it is taken out, while this package, the plug-in and the engine keep using them. An
+    import would then load a second copy, with its own globals (the engine and its probes, a probe's tables,
+    the hot paths' flags), beside the first, and a verdict would depend on which tests ran before. Called before
+    the front doors import anything (this package's names, :mod:`pytest_torchperf.extend`), when a pytest session
+    is configured and when a run starts: one copy per process, as when nothing is restored.
+    """
+    modules = sys.modules
+    modules.setdefault(__name__, _PACKAGE)
+    packages = [_PACKAGE]
+    while packages:
+        for name, module, is_package in _submodules(packages.pop()):
+            # setdefault: a second copy imported meanwhile stays (the first is then out of reach)
+            if modules.setdefault(name, module) is module and is_package:
+                packages.append(module)
+
+
+def _submodules(package: ModuleType) -> list[tuple[str, ModuleType, bool]]:
+    """The submodules the import system has set on ``package`` (read again when its namespace grows)."""
+    namespace = vars(package)
+    known = _SUBMODULES.get(package.__name__)
+    if known is None or known[0] is not package or known[1] != len(namespace):
+        prefix = package.__name__ + "."
+        found = [
+            (value.__name__, value, hasattr(value, "__path__"))
+            for key, value in list(namespace.items())
+            if isinstance(value, ModuleType) and value.__name__ == prefix + key
+        ]
+        known = _SUBMODULES[package.__name__] = (package, len(namespace), found)
+    return known[2]
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         hint = " (plug-in API: from pytest_torchperf.extend import it)" if name in _MOVED_TO_EXTEND else ""
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}{hint}")
+    _rejoin_modules()
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value

@@ -34,7 +34,7 @@ import sys
 import weakref
 from typing import Any, Callable, Optional, Protocol
 
-from . import autosteps, core, dynamo_frames, frameworks, registry, stacks
+from . import _rejoin_modules, autosteps, core, dynamo_frames, frameworks, registry, stacks
 from .core import Run
 from .patching import Patcher, lift_all, relay_all
 from .probes import relocate_warnings
@@ -100,6 +100,7 @@ class Engine:
     # -- a run's lifecycle -------------------------------------------------------------------
     def start(self, run: Run) -> None:
         """Make ``run`` active, installing what it needs; on any failure undo all of it and re-raise."""
+        _rejoin_modules()  # before anything below imports one of torchperf's modules
         self._load_builtin_extensions()
         core._probe_remover[:] = [self.remove_probe]  # the failure path of the engine that watches
         with contextlib.ExitStack() as undo:

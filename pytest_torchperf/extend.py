@@ -44,6 +44,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
+from . import _rejoin_modules
+
+_rejoin_modules()  # before the imports below: after an in-process pytest session, the modules in use, not copies
+
 from .arguments import Argument, ArgumentKind, Choice, Flag, Fraction, Integer, Number, SiteList, UsageError, suggest
 from .core import EVENTS, Check, Run, notify
 from .frames import Located, caller, describe_frame, kind_of, locate, stack_of

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import pytest
 
+from .. import _rejoin_modules
 from ..constants import OVERHEAD_ROUNDS
 from ..errors import UsageError
 from . import adoption, ci, project, unchecked
@@ -69,6 +70,7 @@ class _XdistController:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _rejoin_modules()  # after an earlier in-process session in this process (pytester)
     config.addinivalue_line("markers", _marker_help(config))
     settings = config.stash[_SETTINGS] = resolve_settings(config)
     config.stash[_PROJECT] = False  # read when the first test is watched (see _know_the_project)

@@ -108,9 +108,9 @@ class OpsCheck(StepWindows, Check):
             totals[func] = totals.get(func, 0) + n
             skip = skipped.get(func)
             if skip is None:
-                from ..probes.ops import op_name, op_of
+                from ..probes.ops import op_name
 
-                skip = skipped[func] = op_name(op_of(func)).startswith(_LEFT_OUT)
+                skip = skipped[func] = op_name(self.probe.op_of(func)).startswith(_LEFT_OUT)
             if not skip:
                 step += n
         self.step_totals.append(step)
@@ -121,14 +121,14 @@ class OpsCheck(StepWindows, Check):
     # -- the verdict ------------------------------------------------------------------------------
     def _by_name(self) -> dict[tuple[str, str], dict[str, Any]]:
         """(op name, device type) -> its calls, and the sample step's sites of it."""
-        from ..probes.ops import op_name, op_of
+        from ..probes.ops import op_name
 
         devices = self.sample.devices if self.sample is not None else {}
         fallback = next((d for d in devices.values() if d), "cpu")
         out: dict[tuple[str, str], dict[str, Any]] = {}
         names: dict[Any, tuple[str, str]] = {}
         for func, n in self.totals.items():
-            name = op_name(op_of(func))
+            name = op_name(self.probe.op_of(func))
             if name.startswith(_LEFT_OUT):
                 continue
             key = (name, devices.get(func) or fallback)

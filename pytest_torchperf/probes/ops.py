@@ -38,7 +38,7 @@ from . import Probe
 if TYPE_CHECKING:
     from ..patching import Patcher
 
-__all__ = ["OpsProbe", "op_name", "op_of"]
+__all__ = ["OpsProbe", "op_name"]
 
 
 def op_name(func: Any) -> str:
@@ -88,8 +88,12 @@ class OpsProbe(Probe):
         self.mode: Any = None
         #: Checks that have a step open now (each gets the counts of the steps it opened).
         self.open: list[Any] = []
-        #: id(op) -> calls in the step open now (:func:`op_of` gives the op).
+        #: id(op) -> calls in the step open now (:meth:`op_of` gives the op).
         self.counts: dict[Any, int] = {}
+        #: id(op) -> the op, for every op this probe counted (a few hundred objects torch keeps alive anyway).
+        #: Held here, not by the module: a check reads it through its run's probe, never by importing this
+        #: module again (a module imported anew, as an in-process pytester session does, has other globals).
+        self.ops: dict[int, Any] = {}
         self.sample: Optional[Sample] = None
 
     def reset(self) -> None:
@@ -98,6 +102,10 @@ class OpsProbe(Probe):
         self.open = []
         self.counts = {}
         self.sample = None
+
+    def op_of(self, key: int) -> Any:
+        """The op counted under ``key`` (a key of :attr:`counts`)."""
+        return self.ops[key]
 
     def install(self, patcher: Patcher) -> None:
         self.reset()
@@ -164,7 +172,6 @@ def _mode_class() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     flags = core.FLAGS
-    ops = _OPS
 
     class _CountingMode(TorchDispatchMode):
         """Counts each operator call of the step (see the module's docstring)."""
@@ -203,7 +210,7 @@ def _mode_class() -> type:
                 counts[key] += 1
             else:
                 counts[key] = 1
-                ops[key] = func
+                probe.ops[key] = func
             if probe.sample is not None:
                 try:
                     _locate(probe.sample, func, args, caller_frame())
@@ -217,13 +224,6 @@ def _mode_class() -> type:
 
 
 _MODE: Optional[type] = None
-#: id(op) -> the op, for every op counted in this process (a few hundred objects torch keeps alive anyway).
-_OPS: dict[int, Any] = {}
-
-
-def op_of(key: int) -> Any:
-    """The op counted under ``key`` (see :attr:`OpsProbe.counts`)."""
-    return _OPS[key]
 
 
 def _locate(sample: Sample, func: Any, args: Any, frame: Any) -> None:
