@@ -124,16 +124,13 @@ class GraphsProbe(Probe):
         self._unhook = False
         self._current_node: Callable[[], Any] = lambda: None
         self._no_subclass_code: Any = None
-        #: Seconds the armed module output callbacks took since the last sample (added to its cost), and this
-        #: thread's CPU time when the last sample ended or the callbacks were armed: the callbacks cannot have
-        #: taken more CPU time than has passed since, however long they waited for a core.
+        #: This thread's CPU seconds the armed module output callbacks took since the last sample (added to its
+        #: cost; a callback that waited for a core cost no more).
         self.forward_seconds = 0.0
-        self.forward_cpu = 0.0
-        #: The garbage collections run in the watch's thread: their CPU and wall seconds (left out of a
-        #: sample's cost), and the clocks at the start of the one under way.
+        #: The garbage collections run in the watch's thread: their CPU seconds (left out of a sample's cost),
+        #: and the CPU clock at the start of the one under way.
         self.gc_cpu = 0.0
-        self.gc_wall = 0.0
-        self._gc_start = (0.0, 0.0)
+        self._gc_start = 0.0
         self._thread = 0
         #: Installed and not taken out: only then may a check's call register a global hook here.
         self._live = False
@@ -206,10 +203,8 @@ class GraphsProbe(Probe):
         core.notify("on_backward_sample", roots)
         end = perf_counter()
         now = thread_time()
-        forward = min(self.forward_seconds, max(cpu - self.forward_cpu, 0.0))
-        cost = now - cpu - (self.gc_cpu - collected) + forward
+        cost = now - cpu - (self.gc_cpu - collected) + self.forward_seconds
         self.forward_seconds = 0.0
-        self.forward_cpu = now
         if self.samples:
             cost_paced = min(cost, SPIKE * self.sample_seconds / self.samples)
         else:
@@ -240,8 +235,8 @@ class GraphsProbe(Probe):
         def forward_hook(module: Any, args: Any, output: Any) -> None:
             if is_compiling():
                 return
-            start = perf_counter()
-            collected = probe.gc_wall
+            start = thread_time()
+            collected = probe.gc_cpu
             # Called by the module's ``_call_impl`` inside a compiled module's call (torch.compile(model)):
             # dynamo's frame callback is on, and would compile the torch functions the checks call.
             prior = set_eval_frame(None) if set_eval_frame is not None else None
@@ -253,11 +248,11 @@ class GraphsProbe(Probe):
             finally:
                 if prior is not None and set_eval_frame is not None:
                     set_eval_frame(prior)
-            # Counted in the budget at the next sample (wall time: a CPU clock read costs ten times more, and
-            # the sample bounds it by the CPU time that has passed).
-            probe.forward_seconds += perf_counter() - start - (probe.gc_wall - collected)
+            # Counted in the budget at the next sample, in CPU time as the walks are. (Wall time bounded by the CPU
+            # time since arming charged the user's own step to the callbacks: a callback preempted for 50 ms in
+            # a first step of 4 ms of CPU put the next sample 0.8 s away.)
+            probe.forward_seconds += thread_time() - start - (probe.gc_cpu - collected)
 
-        self.forward_cpu = thread_time()
         self._forward_hook = register_module_forward_hook(forward_hook)
         self._follow_compiles()
 
@@ -361,11 +356,9 @@ class GraphsProbe(Probe):
         if threading.get_ident() != self._thread:
             return
         if phase == "start":
-            self._gc_start = (thread_time(), perf_counter())
+            self._gc_start = thread_time()
         else:
-            cpu, wall = self._gc_start
-            self.gc_cpu += thread_time() - cpu
-            self.gc_wall += perf_counter() - wall
+            self.gc_cpu += thread_time() - self._gc_start
 
     def _remove_gc_callback(self) -> None:
         try:
