@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$#" -eq 0 ]; then
-  exec bash scripts/nox.sh --parallel "${TORCHPERF_SESSIONS:-3}"
+  exec bash scripts/nox.sh --parallel "${TORCHPERF_SESSIONS:-2}"
 fi
 exec bash scripts/nox.sh -s tests -- "$@"
